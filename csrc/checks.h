@@ -1,0 +1,67 @@
+// Argument checks shared by the CPU and CUDA bindings of every op. Each message names the
+// op, the argument and what is allowed, so a bad call fails the same way on any device.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "numerics.h"
+
+namespace ddpcomm {
+
+inline bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+inline void check_bits_block(int64_t bits, int64_t block_size, const char* op) {
+  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, op,
+              ": bits must be one of 1, 2, 4, 8, got ", bits);
+  TORCH_CHECK(block_size >= 32 && block_size <= 65536 && (block_size & (block_size - 1)) == 0, op,
+              ": block_size must be a power of two in [32, 65536], got ", block_size);
+}
+
+inline void check_float_tensor(const at::Tensor& t, const char* arg, const char* op) {
+  TORCH_CHECK(is_supported_float(t.scalar_type()), op, ": ", arg,
+              " must be float32, float16 or bfloat16, got ", t.scalar_type());
+}
+
+inline void check_residual(const std::optional<at::Tensor>& residual, int64_t numel,
+                           const at::Device& device, const char* op) {
+  if (!residual) return;
+  const at::Tensor& r = *residual;
+  TORCH_CHECK(r.scalar_type() == at::kFloat, op, ": residual must be float32, got ",
+              r.scalar_type());
+  TORCH_CHECK(r.is_contiguous(), op, ": residual must be contiguous");
+  TORCH_CHECK(r.numel() == numel, op, ": residual must have ", numel, " elements, got ",
+              r.numel());
+  TORCH_CHECK(r.device() == device, op, ": residual is on ", r.device(), " but the input is on ",
+              device);
+}
+
+inline void check_quantize_args(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                int64_t bits, int64_t block_size, const char* op) {
+  check_bits_block(bits, block_size, op);
+  check_float_tensor(x, "x", op);
+  check_residual(residual, x.numel(), x.device(), op);
+}
+
+// `payloads` is one packed payload (dims 1) or N of them stacked as [N, bytes] (dims 2).
+inline void check_payloads(const at::Tensor& payloads, int64_t dims, int64_t numel, int64_t bits,
+                           int64_t block_size, at::ScalarType dtype, const char* op) {
+  check_bits_block(bits, block_size, op);
+  TORCH_CHECK(payloads.scalar_type() == at::kByte, op, ": payloads must be uint8, got ",
+              payloads.scalar_type());
+  TORCH_CHECK(payloads.dim() == dims, op, ": payloads must have ", dims, " dimension(s), got ",
+              payloads.dim());
+  TORCH_CHECK(payloads.is_contiguous(), op, ": payloads must be contiguous");
+  TORCH_CHECK(numel >= 0, op, ": numel must be >= 0, got ", numel);
+  const int64_t need = payload_bytes(numel, block_size, (int)bits);
+  const int64_t have = payloads.size(dims - 1);
+  TORCH_CHECK(have >= need, op, ": a payload of ", numel, " elements at bits=", bits,
+              ", block_size=", block_size, " needs ", need, " bytes, got ", have);
+  TORCH_CHECK(is_supported_float(dtype), op, ": dtype must be float32, float16 or bfloat16, got ",
+              dtype);
+}
+
+}  // namespace ddpcomm

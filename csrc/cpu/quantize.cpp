@@ -1,0 +1,250 @@
+// CPU implementations of the quantizer ops: quantize, dequantize, dequantize_sum,
+// dequantize_sum_requantize. Every bit of output comes from csrc/numerics.h.
+//
+// Work is split over blocks with at::parallel_for; each block is staged in a small fp32
+// buffer so the per-element loops are straight-line and vectorize.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+
+#include "../checks.h"
+#include "../numerics.h"
+
+namespace ddpcomm {
+namespace {
+
+// Blocks per parallel_for task: enough work to amortize the task, small enough to balance.
+int64_t grain_blocks(int64_t block) { return std::max<int64_t>(1, (1 << 16) / block); }
+
+struct Levels {
+  float v[256];
+  explicit Levels(int bits) {
+    for (uint32_t c = 0; c < (1u << bits); ++c) v[c] = bits == 1 ? 0.0f : level_value(c, bits);
+  }
+};
+
+// Encodes one staged block `e` (B values, zero past `valid`) into `record`; when `deq` is
+// given, writes the dequantized values of the first `valid` elements there.
+template <int kBits, bool kStochastic>
+void encode_block(const float* e, int64_t valid, int64_t B, uint8_t* record, float* deq,
+                  const Levels& lv, uint64_t key, int64_t index0, float* scratch,
+                  uint8_t* codes) {
+  bool finite = true;
+  float m = 0.0f;
+  if (kBits == 1 && !kStochastic) {
+    for (int64_t j = 0; j < B; ++j) {
+      scratch[j] = fabsf(e[j]);
+      finite &= is_finite(e[j]);
+    }
+    m = meanabs(block_tree_sum(scratch, B), valid);
+  } else {
+    for (int64_t j = 0; j < B; ++j) {
+      const float a = fabsf(e[j]);
+      m = a > m ? a : m;
+      finite &= is_finite(e[j]);
+    }
+  }
+  if (!finite) m = NAN;
+  std::memcpy(record, &m, sizeof(float));
+
+  if (block_is_degenerate(m)) {
+    std::fill(codes, codes + B, (uint8_t)degenerate_code(kBits));
+  } else {
+    const float inv = block_inv(m, kBits);
+    for (int64_t j = 0; j < B; ++j) {
+      const float u = kStochastic ? uniform24(rng_u64_keyed(key, index0 + j)) : 0.0f;
+      codes[j] = (uint8_t)quantize_one(e[j], inv, kBits, kStochastic, u);
+    }
+  }
+
+  constexpr int per_byte = 8 / kBits;
+  uint8_t* out = record + kScaleBytes;
+  const int64_t nbytes = code_bytes_per_block(B, kBits);
+  for (int64_t k = 0; k < nbytes; ++k) {
+    uint32_t byte = 0;
+    for (int t = 0; t < per_byte; ++t) byte |= (uint32_t)codes[k * per_byte + t] << (t * kBits);
+    out[k] = (uint8_t)byte;
+  }
+  if (deq != nullptr) {
+    for (int64_t j = 0; j < valid; ++j) deq[j] = dequantize_one(codes[j], m, lv.v[codes[j]], kBits);
+  }
+}
+
+using EncodeFn = void (*)(const float*, int64_t, int64_t, uint8_t*, float*, const Levels&,
+                          uint64_t, int64_t, float*, uint8_t*);
+
+EncodeFn pick_encoder(int bits, bool stochastic) {
+#define DDPC_ENC(b) stochastic ? &encode_block<b, true> : &encode_block<b, false>
+  switch (bits) {
+    case 1: return DDPC_ENC(1);
+    case 2: return DDPC_ENC(2);
+    case 4: return DDPC_ENC(4);
+    default: return DDPC_ENC(8);
+  }
+#undef DDPC_ENC
+}
+
+// Adds the values of one block record to `acc` (first `valid` elements).
+void accumulate_record(const uint8_t* record, int64_t valid, int bits, const Levels& lv,
+                       float* acc) {
+  float m;
+  std::memcpy(&m, record, sizeof(float));
+  const uint8_t* codes = record + kScaleBytes;
+  for (int64_t j = 0; j < valid; ++j) {
+    const uint32_t c = read_code(codes, j, bits);
+    acc[j] += dequantize_one(c, m, lv.v[c], bits);
+  }
+}
+
+// Per-task scratch: the staged block, a tree-sum buffer, codes, dequantized values.
+struct Scratch {
+  std::vector<float> e, tree, deq;
+  std::vector<uint8_t> codes;
+  explicit Scratch(int64_t B) : e(B), tree(B), deq(B), codes(B) {}
+};
+
+at::Tensor quantize_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                        int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
+                        int64_t step, int64_t rng_offset) {
+  check_quantize_args(x, residual, bits, block_size, "quantize");
+  const int64_t n = x.numel();
+  const at::Tensor xc = x.contiguous();
+  float* res = residual ? residual->data_ptr<float>() : nullptr;
+  auto packed = at::empty({payload_bytes(n, block_size, (int)bits)}, x.options().dtype(at::kByte));
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  const int64_t B = block_size, nb = num_blocks(n, B), rec = record_bytes(B, (int)bits);
+  const EncodeFn encode = pick_encoder((int)bits, stochastic);
+  const Levels lv((int)bits);
+  const uint64_t key = rng_key((uint64_t)seed, (uint64_t)step);
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quantize", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    at::parallel_for(0, nb, grain_blocks(B), [&](int64_t b0, int64_t b1) {
+      Scratch s(B);
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t start = blk * B, valid = std::min(B, n - start);
+        for (int64_t j = 0; j < valid; ++j) s.e[j] = static_cast<float>(xp[start + j]);
+        if (res != nullptr) {
+          for (int64_t j = 0; j < valid; ++j) s.e[j] = s.e[j] + res[start + j];
+        }
+        std::fill(s.e.begin() + valid, s.e.end(), 0.0f);
+        encode(s.e.data(), valid, B, out + blk * rec, res ? s.deq.data() : nullptr, lv, key,
+               rng_offset + start, s.tree.data(), s.codes.data());
+        if (res != nullptr) {
+          for (int64_t j = 0; j < valid; ++j) res[start + j] = s.e[j] - s.deq[j];
+        }
+      }
+    });
+  });
+  return packed;
+}
+
+at::Tensor dequantize_cpu(const at::Tensor& packed, int64_t numel, int64_t bits,
+                          int64_t block_size, at::ScalarType dtype) {
+  check_payloads(packed, 1, numel, bits, block_size, dtype, "dequantize");
+  const int64_t B = block_size, nb = num_blocks(numel, B), rec = record_bytes(B, (int)bits);
+  auto result = at::empty({numel}, packed.options().dtype(dtype));
+  const uint8_t* in = packed.data_ptr<uint8_t>();
+  const Levels lv((int)bits);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "dequantize", [&] {
+    scalar_t* op = result.data_ptr<scalar_t>();
+    at::parallel_for(0, nb, grain_blocks(B), [&](int64_t b0, int64_t b1) {
+      std::vector<float> acc(B);
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t start = blk * B, valid = std::min(B, numel - start);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        accumulate_record(in + blk * rec, valid, (int)bits, lv, acc.data());
+        for (int64_t j = 0; j < valid; ++j) op[start + j] = static_cast<scalar_t>(acc[j]);
+      }
+    });
+  });
+  return result;
+}
+
+// Sums block `blk` of every payload row into acc[0, valid), in row order.
+void sum_rows(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t blk, int64_t rec,
+              int64_t valid, int bits, const Levels& lv, float* acc) {
+  std::fill(acc, acc + valid, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) accumulate_record(in + r * row_bytes + blk * rec, valid, bits, lv, acc);
+}
+
+at::Tensor dequantize_sum_cpu(const at::Tensor& payloads, int64_t numel, int64_t bits,
+                              int64_t block_size, int64_t divisor, at::ScalarType dtype) {
+  check_payloads(payloads, 2, numel, bits, block_size, dtype, "dequantize_sum");
+  TORCH_CHECK(divisor >= 1, "dequantize_sum: divisor must be >= 1, got ", divisor);
+  const at::Tensor pc = payloads.contiguous();
+  const int64_t B = block_size, nb = num_blocks(numel, B), rec = record_bytes(B, (int)bits);
+  const int64_t rows = pc.size(0), row_bytes = pc.size(1);
+  auto result = at::empty({numel}, payloads.options().dtype(dtype));
+  const uint8_t* in = pc.data_ptr<uint8_t>();
+  const Levels lv((int)bits);
+  const float div = (float)divisor;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "dequantize_sum", [&] {
+    scalar_t* op = result.data_ptr<scalar_t>();
+    at::parallel_for(0, nb, grain_blocks(B), [&](int64_t b0, int64_t b1) {
+      std::vector<float> acc(B);
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t start = blk * B, valid = std::min(B, numel - start);
+        sum_rows(in, rows, row_bytes, blk, rec, valid, (int)bits, lv, acc.data());
+        for (int64_t j = 0; j < valid; ++j) op[start + j] = static_cast<scalar_t>(acc[j] / div);
+      }
+    });
+  });
+  return result;
+}
+
+at::Tensor dequantize_sum_requantize_cpu(const at::Tensor& payloads,
+                                         const std::optional<at::Tensor>& residual,
+                                         int64_t numel, int64_t bits, int64_t block_size,
+                                         int64_t divisor, bool stochastic, int64_t seed,
+                                         int64_t step, int64_t rng_offset) {
+  check_payloads(payloads, 2, numel, bits, block_size, at::kFloat, "dequantize_sum_requantize");
+  check_residual(residual, numel, payloads.device(), "dequantize_sum_requantize");
+  TORCH_CHECK(divisor >= 1, "dequantize_sum_requantize: divisor must be >= 1, got ", divisor);
+  const at::Tensor pc = payloads.contiguous();
+  const int64_t B = block_size, nb = num_blocks(numel, B), rec = record_bytes(B, (int)bits);
+  const int64_t rows = pc.size(0), row_bytes = pc.size(1);
+  auto packed = at::empty({nb * rec}, payloads.options());
+  const uint8_t* in = pc.data_ptr<uint8_t>();
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  float* res = residual ? residual->data_ptr<float>() : nullptr;
+  const EncodeFn encode = pick_encoder((int)bits, stochastic);
+  const Levels lv((int)bits);
+  const uint64_t key = rng_key((uint64_t)seed, (uint64_t)step);
+  const float div = (float)divisor;
+  at::parallel_for(0, nb, grain_blocks(B), [&](int64_t b0, int64_t b1) {
+    Scratch s(B);
+    std::vector<float> sum(B);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t start = blk * B, valid = std::min(B, numel - start);
+      sum_rows(in, rows, row_bytes, blk, rec, valid, (int)bits, lv, sum.data());
+      if (res != nullptr) {
+        for (int64_t j = 0; j < valid; ++j) sum[j] = sum[j] + res[start + j];
+      }
+      for (int64_t j = 0; j < valid; ++j) s.e[j] = sum[j] / div;
+      std::fill(s.e.begin() + valid, s.e.end(), 0.0f);
+      encode(s.e.data(), valid, B, out + blk * rec, res ? s.deq.data() : nullptr, lv, key,
+             rng_offset + start, s.tree.data(), s.codes.data());
+      if (res != nullptr) {
+        for (int64_t j = 0; j < valid; ++j) res[start + j] = sum[j] - div * s.deq[j];
+      }
+    }
+  });
+  return packed;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ddpcomm, CPU, m) {
+  m.impl("quantize", &quantize_cpu);
+  m.impl("dequantize", &dequantize_cpu);
+  m.impl("dequantize_sum", &dequantize_sum_cpu);
+  m.impl("dequantize_sum_requantize", &dequantize_sum_requantize_cpu);
+}
+
+}  // namespace ddpcomm

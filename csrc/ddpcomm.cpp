@@ -1,0 +1,50 @@
+// The ddpcomm operator library: every op schema, and the tiny Python module that loads it.
+// Device implementations live in csrc/cpu/ and csrc/cuda/; fake (meta) implementations in
+// ddpcomm/ops.py; semantics in ddpcomm/reference.py.
+
+#include <Python.h>
+#include <torch/library.h>
+
+#include <string>
+
+TORCH_LIBRARY(ddpcomm, m) {
+  // Quantizer family. Payload layout: csrc/numerics.h.
+  m.def(
+      "quantize(Tensor x, Tensor(a!)? residual, int bits, int block_size, bool stochastic=False, "
+      "int seed=0, int step=0, int rng_offset=0) -> Tensor");
+  m.def("dequantize(Tensor packed, int numel, int bits, int block_size, ScalarType dtype) -> Tensor");
+  m.def(
+      "dequantize_sum(Tensor payloads, int numel, int bits, int block_size, int divisor, "
+      "ScalarType dtype) -> Tensor");
+  m.def(
+      "dequantize_sum_requantize(Tensor payloads, Tensor(a!)? residual, int numel, int bits, "
+      "int block_size, int divisor, bool stochastic=False, int seed=0, int step=0, "
+      "int rng_offset=0) -> Tensor");
+}
+
+namespace {
+
+// What this binary was built with, for ddpcomm.build_info().
+PyObject* build_info(PyObject*, PyObject*) {
+#ifdef _OPENMP
+  const long openmp = _OPENMP;
+#else
+  const long openmp = 0;
+#endif
+#ifdef DDPCOMM_WITH_CUDA
+  const bool cuda = true;
+#else
+  const bool cuda = false;
+#endif
+  return Py_BuildValue("{s:O,s:l}", "cuda", cuda ? Py_True : Py_False, "openmp", openmp);
+}
+
+PyMethodDef methods[] = {
+    {"build_info", build_info, METH_NOARGS, "What the native library was built with."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "ddpcomm native ops", -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__C() { return PyModule_Create(&module); }

@@ -1,0 +1,165 @@
+// Host + device math shared by every ddpcomm kernel.
+//
+// Everything that decides a bit of output (block magnitudes, code maps, rounding, the
+// counter-based RNG) lives here as inline functions, so the CPU and CUDA kernels produce
+// bitwise identical payloads. ddpcomm/reference.py restates the same math in torch.
+//
+// Floating point here must not be contracted into FMAs: the CPU build passes
+// -ffp-contract=off and the CUDA build --fmad=false.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define DDPC_HD __host__ __device__ __forceinline__
+#else
+#define DDPC_HD inline
+#endif
+
+namespace ddpcomm {
+
+// ---------------------------------------------------------------------------------------
+// Packed quantized payload layout (little-endian), for `numel` elements, bits b, block B:
+//
+//   nblocks = ceil(numel / B); every block is one record of (4 + B*b/8) bytes:
+//     [ float32 m (block magnitude, below) ][ B*b/8 code bytes ]
+//   Codes are packed LSB-first: element j of the block sits in byte (j*b)/8 at bit
+//   offset (j*b)%8. Elements past `numel` in the last block are encoded as zero.
+//
+// Because records are per block, a block-aligned slice of a tensor quantizes to a
+// contiguous slice of the payload; the two-phase all-reduce relies on this.
+// ---------------------------------------------------------------------------------------
+
+constexpr int kScaleBytes = 4;
+
+DDPC_HD int64_t num_blocks(int64_t numel, int64_t block) { return (numel + block - 1) / block; }
+
+DDPC_HD int64_t code_bytes_per_block(int64_t block, int bits) { return block * bits / 8; }
+
+DDPC_HD int64_t record_bytes(int64_t block, int bits) {
+  return kScaleBytes + code_bytes_per_block(block, bits);
+}
+
+DDPC_HD int64_t payload_bytes(int64_t numel, int64_t block, int bits) {
+  return num_blocks(numel, block) * record_bytes(block, bits);
+}
+
+// Largest code magnitude of the symmetric b-bit quantizer (b >= 2): codes lie in
+// [-L, L] and are stored as code + L. q8: 127, q4: 7, q2: 1 (ternary).
+DDPC_HD int max_level(int bits) { return (1 << (bits - 1)) - 1; }
+
+DDPC_HD bool is_finite(float x) { return x - x == 0.0f; }
+
+// The float stored in a block record is the block's magnitude m:
+//   b >= 2 and stochastic 1-bit: m = max |x| (quantization step m / L);
+//   deterministic 1-bit:         m = mean |x| over the block's valid elements.
+// A block holding a non-finite value gets m = NaN, so all its dequantized values are NaN.
+// Dequantization is m * (k / L) for signed code k, so the extreme codes give back exactly
+// +-m and a constant block round-trips losslessly.
+
+// Multiplier taking x to code units: L / m (b >= 2) or 1 / m (1-bit).
+DDPC_HD float block_inv(float m, int bits) {
+  return (bits == 1 ? 1.0f : (float)max_level(bits)) / m;
+}
+
+// Deterministic 1-bit magnitude from the pairwise-tree sum of |x| (see block_tree_sum).
+DDPC_HD float meanabs(float abs_sum, int64_t valid) { return abs_sum / (float)valid; }
+
+// k / L for signed code k = code - L; kernels tabulate it once per launch.
+DDPC_HD float level_value(uint32_t code, int bits) {
+  return (float)((int)code - max_level(bits)) / (float)max_level(bits);
+}
+
+// ---------------------------------------------------------------------------------------
+// Counter-based RNG: a uniform float in [0, 1) that is a pure function of
+// (seed, step, index). splitmix64's finalizer on a mixed 64-bit key.
+// ---------------------------------------------------------------------------------------
+
+DDPC_HD uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// 24 random bits scaled to [0, 1): exact in fp32.
+DDPC_HD float uniform24(uint64_t r) { return (float)(r >> 40) * (1.0f / 16777216.0f); }
+
+// The (seed, step) part of the key, hoisted out of per-element loops.
+DDPC_HD uint64_t rng_key(uint64_t seed, uint64_t step) {
+  return mix64(mix64(seed + 0x9E3779B97F4A7C15ull) ^ (step + 0x632BE59BD9B4E019ull));
+}
+
+DDPC_HD uint64_t rng_u64_keyed(uint64_t key, uint64_t index) { return mix64(key ^ index); }
+
+DDPC_HD float rng_uniform(uint64_t seed, uint64_t step, uint64_t index) {
+  return uniform24(rng_u64_keyed(rng_key(seed, step), index));
+}
+
+// ---------------------------------------------------------------------------------------
+// Rounding without libm calls, so loops vectorize on any x86-64 and the GPU agrees.
+// Valid for |v| < 2^22, which code-unit values (|v| <= 128) always are.
+// ---------------------------------------------------------------------------------------
+
+// Round half to even (IEEE default mode), as rintf and torch.round.
+DDPC_HD float round_even(float v) {
+  const float magic = 12582912.0f;  // 1.5 * 2^23
+  return (v + magic) - magic;
+}
+
+DDPC_HD float floor_small(float v) {
+  float r = round_even(v);
+  return r > v ? r - 1.0f : r;
+}
+
+// ---------------------------------------------------------------------------------------
+// Quantize / dequantize one element of a block with magnitude m > 0 (finite).
+// `inv` is block_inv(m, bits); `u` the uniform draw (ignored when !stochastic).
+// Blocks with m == 0 or m == NaN store degenerate_code(bits) everywhere.
+// ---------------------------------------------------------------------------------------
+
+DDPC_HD bool block_is_degenerate(float m) { return !(m > 0.0f) || !is_finite(m); }
+
+// The code of +0.
+DDPC_HD uint32_t degenerate_code(int bits) { return bits == 1 ? 1u : (uint32_t)max_level(bits); }
+
+DDPC_HD uint32_t quantize_one(float x, float inv, int bits, bool stochastic, float u) {
+  if (bits == 1) {
+    if (!stochastic) return x >= 0.0f ? 1u : 0u;
+    // P(+m) = (1 + x/m) / 2 makes E[deq] = x for |x| <= m.
+    return u < 0.5f * (1.0f + x * inv) ? 1u : 0u;
+  }
+  const float lmax = (float)max_level(bits);
+  const float v = x * inv;
+  float r = stochastic ? floor_small(v + u) : round_even(v);
+  r = r > lmax ? lmax : (r < -lmax ? -lmax : r);
+  return (uint32_t)((int)r + max_level(bits));
+}
+
+// `level` is level_value(code, bits) (unused for 1-bit).
+DDPC_HD float dequantize_one(uint32_t code, float m, float level, int bits) {
+  if (bits == 1) return code ? m : -m;
+  return m * level;
+}
+
+// Pairwise-tree sum used for the 1-bit mean |x|: level by level, element i adds
+// element i + w/2 (w = B, B/2, ... 2). The CUDA kernel reduces in the same pairing.
+// `buf` holds B values and is destroyed.
+DDPC_HD float block_tree_sum(float* buf, int64_t block) {
+  for (int64_t w = block / 2; w >= 1; w /= 2) {
+    for (int64_t i = 0; i < w; ++i) buf[i] = buf[i] + buf[i + w];
+  }
+  return buf[0];
+}
+
+// ---------------------------------------------------------------------------------------
+// Code packing helpers (b in {1,2,4,8}; codes never straddle a byte).
+// ---------------------------------------------------------------------------------------
+
+DDPC_HD uint32_t read_code(const uint8_t* codes, int64_t j, int bits) {
+  const int64_t bit = j * bits;
+  const uint32_t mask = (1u << bits) - 1u;
+  return ((uint32_t)codes[bit >> 3] >> (bit & 7)) & mask;
+}
+
+}  // namespace ddpcomm

@@ -1,0 +1,247 @@
+"""Pure-torch definitions of every ddpcomm op.
+
+This module is the specification: each function states, in torch, exactly what the
+native op of the same name computes, bit for bit. The tests hold the C++ and CUDA kernels
+to it. It is slow and allocates freely; nothing on a hot path calls it.
+
+Packed quantized payload (see csrc/numerics.h): ``ceil(numel / B)`` records of
+``4 + B * bits / 8`` bytes, each a float32 block magnitude ``m`` followed by the block's
+codes packed LSB-first. ``m`` is the block absmax (bits >= 2, or stochastic 1-bit) or the
+mean |x| over the block's valid elements (deterministic 1-bit); a block with a non-finite
+value stores NaN. Signed code k in [-L, L], L = 2**(bits-1) - 1, is stored as k + L and
+dequantizes to ``m * (k / L)``; 1-bit code c dequantizes to ``+m if c else -m``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+# --------------------------------------------------------------------------------------
+# Counter-based RNG (numerics.h: mix64 / rng_u64 / rng_uniform)
+# --------------------------------------------------------------------------------------
+
+
+def _mix64_int(z: int) -> int:
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >= (1 << 63) else v
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 tensors holding uint64 bit patterns."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    # int64 multiplication wraps modulo 2**64, which is the uint64 product's bit pattern.
+    z = (z ^ _shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _shr(z, 27)) * _signed(0x94D049BB133111EB)
+    return z ^ _shr(z, 31)
+
+
+def rng_key(seed: int, step: int) -> int:
+    h = _mix64_int(seed + 0x9E3779B97F4A7C15)
+    return _mix64_int(h ^ ((step + 0x632BE59BD9B4E019) & _MASK64))
+
+
+def rng_u64(seed: int, step: int, index: torch.Tensor) -> torch.Tensor:
+    """64 random bits (as int64 bit patterns) for each counter in ``index``."""
+    return _mix64(index.to(torch.int64) ^ _signed(rng_key(seed, step)))
+
+
+def rng_uniform(seed: int, step: int, index: torch.Tensor) -> torch.Tensor:
+    """Uniform float32 in [0, 1) from 24 random bits: a pure function of its key."""
+    bits24 = _shr(rng_u64(seed, step, index), 40)
+    return bits24.to(torch.float32) * (1.0 / 16777216.0)
+
+
+# --------------------------------------------------------------------------------------
+# Quantizer
+# --------------------------------------------------------------------------------------
+
+
+def max_level(bits: int) -> int:
+    return (1 << (bits - 1)) - 1
+
+
+def payload_bytes(numel: int, bits: int, block_size: int) -> int:
+    return math.ceil(numel / block_size) * (4 + block_size * bits // 8)
+
+
+def _tree_sum(a: torch.Tensor) -> torch.Tensor:
+    """Pairwise sum over the last dim (a power of two): element i adds i + w/2."""
+    while a.shape[-1] > 1:
+        w = a.shape[-1] // 2
+        a = a[..., :w] + a[..., w:]
+    return a[..., 0]
+
+
+def _blocks(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
+    n = x.numel()
+    nb = math.ceil(n / block_size)
+    padded = torch.zeros(nb * block_size, dtype=torch.float32)
+    padded[:n] = x.reshape(-1).float()
+    return padded.view(nb, block_size), n
+
+
+def _levels(bits: int) -> torch.Tensor:
+    lmax = max_level(bits)
+    codes = torch.arange(1 << bits, dtype=torch.int32)
+    return (codes - lmax).float() / torch.tensor(float(lmax), dtype=torch.float32)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[nb, B] codes in [0, 2**bits) -> [nb, B*bits/8] bytes, LSB-first."""
+    per_byte = 8 // bits
+    c = codes.to(torch.int32).view(codes.shape[0], codes.shape[1] // per_byte, per_byte)
+    shifts = torch.arange(per_byte, dtype=torch.int32) * bits
+    return (c << shifts).sum(-1).to(torch.uint8)
+
+
+def _unpack(code_bytes: torch.Tensor, bits: int) -> torch.Tensor:
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, dtype=torch.int32) * bits
+    c = (code_bytes.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return c.view(code_bytes.shape[0], code_bytes.shape[1] * per_byte)
+
+
+def _magnitudes(e: torch.Tensor, valid: torch.Tensor, bits: int, stochastic: bool):
+    finite = torch.isfinite(e).all(1)
+    if bits == 1 and not stochastic:
+        m = _tree_sum(e.abs()) / valid.float()
+    else:
+        m = e.abs().amax(1)
+    return torch.where(finite, m, torch.full_like(m, float("nan")))
+
+
+def _codes(e, m, bits, stochastic, seed, step, rng_offset):
+    lmax = max_level(bits)
+    inv = torch.tensor(1.0 if bits == 1 else float(lmax), dtype=torch.float32) / m
+    v = e * inv[:, None]
+    if stochastic:
+        idx = torch.arange(e.numel(), dtype=torch.int64) + rng_offset
+        u = rng_uniform(seed, step, idx).view_as(e)
+    if bits == 1:
+        codes = (e >= 0) if not stochastic else (u < 0.5 * (1.0 + v))
+        codes = codes.to(torch.int32)
+        degenerate_code = 1
+    else:
+        r = torch.floor(v + u) if stochastic else torch.round(v)
+        codes = r.clamp(-lmax, lmax).to(torch.int32) + lmax
+        degenerate_code = lmax
+    ok = (m > 0) & torch.isfinite(m)
+    return torch.where(ok[:, None], codes, torch.full_like(codes, degenerate_code))
+
+
+def _dequant_blocks(m: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 1:
+        return torch.where(codes.bool(), m[:, None], -m[:, None])
+    return m[:, None] * _levels(bits)[codes.long()]
+
+
+def _encode(e, n, bits, block_size, stochastic, seed, step, rng_offset):
+    """Quantize [nb, B] fp32 blocks holding n valid values; returns (packed, deq)."""
+    nb = e.shape[0]
+    valid = torch.full((nb,), block_size, dtype=torch.int64)
+    if nb:
+        valid[-1] = n - (nb - 1) * block_size
+    m = _magnitudes(e, valid, bits, stochastic)
+    codes = _codes(e, m, bits, stochastic, seed, step, rng_offset)
+    packed = torch.cat([m.view(nb, 1).view(torch.uint8), _pack(codes, bits)], dim=1)
+    return packed.reshape(-1), _dequant_blocks(m, codes, bits)
+
+
+def quantize(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    bits: int,
+    block_size: int,
+    stochastic: bool = False,
+    seed: int = 0,
+    step: int = 0,
+    rng_offset: int = 0,
+) -> torch.Tensor:
+    """Quantize ``x`` (+ ``residual``) into one packed uint8 payload.
+
+    With a residual (error feedback), quantizes e = x + residual in fp32 and writes
+    residual = e - dequantize(code(e)) in place. Stochastic rounding draws element i's
+    uniform from ``rng_uniform(seed, step, rng_offset + i)``.
+    """
+    e, n = _blocks(x, block_size)
+    if residual is not None:
+        e = e + _blocks(residual, block_size)[0]
+    packed, deq = _encode(e, n, bits, block_size, stochastic, seed, step, rng_offset)
+    if residual is not None:
+        residual.copy_((e - deq).reshape(-1)[:n].view_as(residual))
+    return packed
+
+
+def _decode(packed: torch.Tensor, numel: int, bits: int, block_size: int) -> torch.Tensor:
+    nb = math.ceil(numel / block_size)
+    rb = 4 + block_size * bits // 8
+    rec = packed.reshape(-1)[: nb * rb].view(nb, rb)
+    m = rec[:, :4].reshape(-1).clone().view(torch.float32)
+    codes = _unpack(rec[:, 4:], bits)
+    return _dequant_blocks(m, codes, bits).reshape(-1)[:numel]
+
+
+def dequantize(
+    packed: torch.Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The ``numel`` values a payload encodes, in ``dtype``."""
+    return _decode(packed, numel, bits, block_size).to(dtype)
+
+
+def dequantize_sum(
+    payloads: torch.Tensor,
+    numel: int,
+    bits: int,
+    block_size: int,
+    divisor: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Sum of the [N, P] payloads' values in row order in fp32, divided by ``divisor``."""
+    s = torch.zeros(numel, dtype=torch.float32)
+    for row in payloads:
+        s = s + _decode(row, numel, bits, block_size)
+    return (s / float(divisor)).to(dtype)
+
+
+def dequantize_sum_requantize(
+    payloads: torch.Tensor,
+    residual: torch.Tensor | None,
+    numel: int,
+    bits: int,
+    block_size: int,
+    divisor: int,
+    stochastic: bool = False,
+    seed: int = 0,
+    step: int = 0,
+    rng_offset: int = 0,
+) -> torch.Tensor:
+    """The owner step of the two-phase all-reduce, as one pass.
+
+    S = (sum of the payloads' values in row order) + residual; quantizes S / divisor and
+    returns its payload. The residual is kept in sum units: residual = S - divisor * deq.
+    """
+    s = torch.zeros(numel, dtype=torch.float32)
+    for row in payloads:
+        s = s + _decode(row, numel, bits, block_size)
+    if residual is not None:
+        s = s + residual.reshape(-1)
+    t, n = _blocks(s / float(divisor), block_size)
+    packed, deq = _encode(t, n, bits, block_size, stochastic, seed, step, rng_offset)
+    if residual is not None:
+        deq = deq.reshape(-1)[:numel]
+        residual.copy_((s - float(divisor) * deq).view_as(residual))
+    return packed
