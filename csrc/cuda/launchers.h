@@ -1,0 +1,67 @@
+// Host-side entry points of ddpcomm's CUDA kernels.
+//
+// This header and the *_kernels.cu files that implement it need only the CUDA toolkit: raw
+// pointers, sizes and a cudaStream_t in, a cudaError_t out. No torch header is included, so
+// `nvcc -c csrc/cuda/*_kernels.cu` compile-checks every kernel on a machine with neither a
+// GPU nor a CUDA build of torch (see the Makefile's nvcc-check). The torch bindings
+// (csrc/cuda/<family>.cpp) validate arguments, allocate outputs and call these.
+//
+// Every launcher enqueues its kernels on `stream` and returns the launch status
+// (cudaGetLastError), or cudaErrorInvalidValue for arguments it cannot honour; it never
+// synchronizes.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace ddpcomm {
+namespace cuda {
+
+// Element type of a float tensor as the kernels see it.
+enum class FloatType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// ---------------------------------------------------------------------------------------
+// Quantizer family (payload layout: csrc/numerics.h). bits in {1, 2, 4, 8}; block_size a
+// power of two in [32, 65536]. Pointers to inputs may have any element alignment; `out`
+// must be 4-byte aligned (a fresh allocation is).
+// ---------------------------------------------------------------------------------------
+
+struct QuantizeArgs {
+  const void* x;       // numel elements of x_type, contiguous
+  FloatType x_type;    //
+  float* residual;     // numel floats read and rewritten (error feedback), or nullptr
+  int64_t numel;       //
+  int bits;            //
+  int64_t block_size;  //
+  bool stochastic;     //
+  uint64_t rng_key;    // numerics.h rng_key(seed, step)
+  int64_t rng_offset;  // element i draws counter rng_offset + i
+  uint8_t* out;        // payload_bytes(numel, block_size, bits) bytes
+};
+
+// quantize: out = payload of x (+ residual); residual = e - dequantized(e) when given.
+cudaError_t launch_quantize(const QuantizeArgs& a, cudaStream_t stream);
+
+// `rows` payloads of `row_bytes` bytes each, back to back (row r starts at r * row_bytes).
+struct PayloadRows {
+  const uint8_t* data;
+  int64_t rows;
+  int64_t row_bytes;
+  int64_t numel;  // elements each payload encodes
+  int bits;
+  int64_t block_size;
+};
+
+// dequantize (rows == 1, divisor == 1) and dequantize_sum: out[i] = (sum over rows, in row
+// order, of each row's value i, accumulated in fp32 from 0) / divisor, cast to out_type.
+cudaError_t launch_dequantize_sum(const PayloadRows& p, int64_t divisor, void* out,
+                                  FloatType out_type, cudaStream_t stream);
+
+// dequantize_sum_requantize: S = row-order sum (+ residual); out = payload of S / divisor;
+// residual = S - divisor * dequantized (when residual is not nullptr).
+cudaError_t launch_dequantize_sum_requantize(const PayloadRows& p, float* residual, int64_t divisor,
+                                             bool stochastic, uint64_t rng_key, int64_t rng_offset,
+                                             uint8_t* out, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace ddpcomm

@@ -1,0 +1,127 @@
+// CUDA implementations of the quantizer ops: the torch side only. Arguments are checked
+// exactly as on CPU (csrc/checks.h), outputs allocated here, and the kernels in
+// quantize_kernels.cu launched on the current stream of the input's device.
+//
+// The stream comes from c10/cuda/CUDAStream.h (at::cuda::getCurrentCUDAStream is the same
+// function re-exported): ATen/cuda/CUDAContext.h would also pull in cuBLAS and cuSPARSE
+// headers, which this file does not need and a bare CUDA toolkit does not ship.
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "../checks.h"
+#include "../numerics.h"
+#include "launchers.h"
+
+namespace ddpcomm {
+namespace {
+
+// Callers have checked is_supported_float(t).
+cuda::FloatType float_type(at::ScalarType t) {
+  if (t == at::kHalf) return cuda::FloatType::kFloat16;
+  if (t == at::kBFloat16) return cuda::FloatType::kBFloat16;
+  return cuda::FloatType::kFloat32;
+}
+
+void check_on_cuda(const at::Tensor& t, const char* arg, const char* op) {
+  TORCH_CHECK(t.is_cuda(), op, ": ", arg, " must be a CUDA tensor, got one on ", t.device());
+}
+
+cuda::PayloadRows payload_rows(const at::Tensor& payloads, int64_t numel, int64_t bits,
+                               int64_t block_size) {
+  const bool one = payloads.dim() == 1;
+  return cuda::PayloadRows{payloads.data_ptr<uint8_t>(),
+                           one ? 1 : payloads.size(0),
+                           one ? payloads.size(0) : payloads.size(1),
+                           numel,
+                           (int)bits,
+                           block_size};
+}
+
+at::Tensor quantize_cuda(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                         int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
+                         int64_t step, int64_t rng_offset) {
+  check_quantize_args(x, residual, bits, block_size, "quantize");
+  check_on_cuda(x, "x", "quantize");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n = x.numel();
+  const at::Tensor xc = x.contiguous();
+  auto packed = at::empty({payload_bytes(n, block_size, (int)bits)}, x.options().dtype(at::kByte));
+  if (n == 0) return packed;
+  const cuda::QuantizeArgs args{xc.data_ptr(),
+                                float_type(x.scalar_type()),
+                                residual ? residual->data_ptr<float>() : nullptr,
+                                n,
+                                (int)bits,
+                                block_size,
+                                stochastic,
+                                rng_key((uint64_t)seed, (uint64_t)step),
+                                rng_offset,
+                                packed.data_ptr<uint8_t>()};
+  C10_CUDA_CHECK(cuda::launch_quantize(args, c10::cuda::getCurrentCUDAStream()));
+  return packed;
+}
+
+at::Tensor dequantize_cuda(const at::Tensor& packed, int64_t numel, int64_t bits,
+                           int64_t block_size, at::ScalarType dtype) {
+  check_payloads(packed, 1, numel, bits, block_size, dtype, "dequantize");
+  check_on_cuda(packed, "packed", "dequantize");
+  const c10::cuda::CUDAGuard guard(packed.device());
+  auto result = at::empty({numel}, packed.options().dtype(dtype));
+  if (numel == 0) return result;
+  C10_CUDA_CHECK(cuda::launch_dequantize_sum(payload_rows(packed, numel, bits, block_size), 1,
+                                             result.data_ptr(), float_type(dtype),
+                                             c10::cuda::getCurrentCUDAStream()));
+  return result;
+}
+
+at::Tensor dequantize_sum_cuda(const at::Tensor& payloads, int64_t numel, int64_t bits,
+                               int64_t block_size, int64_t divisor, at::ScalarType dtype) {
+  check_payloads(payloads, 2, numel, bits, block_size, dtype, "dequantize_sum");
+  TORCH_CHECK(divisor >= 1, "dequantize_sum: divisor must be >= 1, got ", divisor);
+  check_on_cuda(payloads, "payloads", "dequantize_sum");
+  const c10::cuda::CUDAGuard guard(payloads.device());
+  auto result = at::empty({numel}, payloads.options().dtype(dtype));
+  if (numel == 0) return result;
+  C10_CUDA_CHECK(cuda::launch_dequantize_sum(payload_rows(payloads, numel, bits, block_size),
+                                             divisor, result.data_ptr(), float_type(dtype),
+                                             c10::cuda::getCurrentCUDAStream()));
+  return result;
+}
+
+at::Tensor dequantize_sum_requantize_cuda(const at::Tensor& payloads,
+                                          const std::optional<at::Tensor>& residual, int64_t numel,
+                                          int64_t bits, int64_t block_size, int64_t divisor,
+                                          bool stochastic, int64_t seed, int64_t step,
+                                          int64_t rng_offset) {
+  const char* op = "dequantize_sum_requantize";
+  check_payloads(payloads, 2, numel, bits, block_size, at::kFloat, op);
+  check_residual(residual, numel, payloads.device(), op);
+  TORCH_CHECK(divisor >= 1, op, ": divisor must be >= 1, got ", divisor);
+  check_on_cuda(payloads, "payloads", op);
+  const c10::cuda::CUDAGuard guard(payloads.device());
+  auto packed = at::empty({payload_bytes(numel, block_size, (int)bits)}, payloads.options());
+  if (numel == 0) return packed;
+  C10_CUDA_CHECK(cuda::launch_dequantize_sum_requantize(
+      payload_rows(payloads, numel, bits, block_size),
+      residual ? residual->data_ptr<float>() : nullptr, divisor, stochastic,
+      rng_key((uint64_t)seed, (uint64_t)step), rng_offset, packed.data_ptr<uint8_t>(),
+      c10::cuda::getCurrentCUDAStream()));
+  return packed;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ddpcomm, CUDA, m) {
+  m.impl("quantize", &quantize_cuda);
+  m.impl("dequantize", &dequantize_cuda);
+  m.impl("dequantize_sum", &dequantize_sum_cuda);
+  m.impl("dequantize_sum_requantize", &dequantize_sum_requantize_cuda);
+}
+
+}  // namespace ddpcomm
