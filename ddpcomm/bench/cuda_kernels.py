@@ -1,0 +1,243 @@
+"""CUDA kernel throughput: GB/s of bytes touched, against a device copy and the reference.
+
+For every op and size, three numbers are measured side by side in one run on one device:
+
+- the native op (``ddpcomm.ops``),
+- a device-to-device copy that touches the same number of bytes (half read, half
+  written): the memory-bandwidth limit the op is judged against,
+- the pure-torch reference (``ddpcomm.reference``), run on the GPU by making CUDA the
+  default device for its factory calls.
+
+Timing: CUDA events around each call, after warm-up, median of many calls. The GPU is
+first given a spin kernel (``torch.cuda._sleep``) so the calls queue up behind it and the
+events time the GPU, not Python's launch overhead. Inputs rotate over enough copies to
+exceed the L2 cache several times, so small sizes are not served from cache.
+
+>>> from ddpcomm.bench import cuda_kernels
+>>> rows = cuda_kernels.run([4, 256], ["quantize_ef:q8"])  # doctest: +SKIP
+>>> cuda_kernels.print_table(rows)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from ddpcomm import ops as native
+from ddpcomm import reference
+
+# op name -> what one call reads and writes. Each name takes a ":q<bits>" suffix.
+OPS = [
+    "quantize",
+    "quantize_ef",
+    "quantize_stochastic",
+    "dequantize",
+    "dequantize_sum",
+    "dequantize_sum_requantize",
+]
+DEFAULT_OPS = [
+    "quantize:q8",
+    "quantize_ef:q8",
+    "quantize_ef:q4",
+    "quantize_ef:q1",
+    "quantize_stochastic:q4",
+    "dequantize:q8",
+    "dequantize_sum:q8",
+    "dequantize_sum_requantize:q8",
+]
+DEFAULT_SIZES_MB = [4, 16, 64, 256, 1024]
+
+
+def _parse(spec: str) -> tuple[str, int]:
+    name, _, q = spec.partition(":")
+    if name not in OPS or not (q.startswith("q") and q[1:] in ("1", "2", "4", "8")):
+        raise ValueError(
+            f"ops: unknown op {spec!r}; expected <op>:q<bits> with op in {OPS} and bits in "
+            "1, 2, 4, 8 (for example 'quantize_ef:q8')"
+        )
+    return name, int(q[1:])
+
+
+class _Case:
+    """One op at one size: its inputs (rotated), the native call and the reference call."""
+
+    def __init__(self, name: str, bits: int, numel: int, block: int, rows: int, device):
+        self.name, self.bits, self.numel, self.block, self.rows = name, bits, numel, block, rows
+        self.payload = native.payload_bytes(numel, bits, block)
+        n4 = 4 * numel
+        # Bytes each call reads + writes (fp32 values, packed payloads).
+        self.bytes = {
+            "quantize": n4 + self.payload,
+            "quantize_stochastic": n4 + self.payload,
+            "quantize_ef": 3 * n4 + self.payload,
+            "dequantize": self.payload + n4,
+            "dequantize_sum": rows * self.payload + n4,
+            "dequantize_sum_requantize": rows * self.payload + 2 * n4 + self.payload,
+        }[name]
+        self.device = device
+
+    def make_inputs(self, seed: int) -> dict:
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        x = torch.randn(self.numel, device=self.device, generator=g)
+        if self.name.startswith("quantize"):
+            res = torch.zeros_like(x) if self.name == "quantize_ef" else None
+            return {"x": x, "res": res}
+        n_rows = 1 if self.name == "dequantize" else self.rows
+        p = native.quantize(x, None, self.bits, self.block)
+        res = torch.zeros_like(x) if self.name == "dequantize_sum_requantize" else None
+        return {"p": p.expand(n_rows, -1).contiguous(), "res": res}
+
+    def call(self, impl, inp: dict) -> None:
+        b, B, n = self.bits, self.block, self.numel
+        if self.name == "quantize":
+            impl.quantize(inp["x"], None, b, B)
+        elif self.name == "quantize_stochastic":
+            impl.quantize(inp["x"], None, b, B, True, 1, 2, 0)
+        elif self.name == "quantize_ef":
+            impl.quantize(inp["x"], inp["res"], b, B)
+        elif self.name == "dequantize":
+            impl.dequantize(inp["p"][0], n, b, B, torch.float32)
+        elif self.name == "dequantize_sum":
+            impl.dequantize_sum(inp["p"], n, b, B, self.rows, torch.float32)
+        else:
+            impl.dequantize_sum_requantize(inp["p"], inp["res"], n, b, B, self.rows)
+
+
+def _time_ms(fn: Callable[[int], None], n_inputs: int, warmup: int, iters: int) -> float:
+    """Median GPU milliseconds of fn(i), i rotating over the inputs."""
+    for i in range(warmup):
+        fn(i % n_inputs)
+    times = []
+    batch = 10
+    for start in range(0, iters, batch):
+        count = min(batch, iters - start)
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(count)
+        ]
+        # Keep the GPU busy while Python enqueues the batch: the events then time the GPU.
+        torch.cuda._sleep(20_000_000)
+        for k, (a, b) in enumerate(events):
+            a.record()
+            fn((start + k) % n_inputs)
+            b.record()
+        torch.cuda.synchronize()
+        times += [a.elapsed_time(b) for a, b in events]
+    return statistics.median(times)
+
+
+def _gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def run(
+    sizes_mb: list[int],
+    ops: list[str] | None = None,
+    *,
+    block_size: int = 256,
+    rows: int = 4,
+    iters: int = 50,
+    warmup: int = 5,
+    reference_iters: int = 5,
+    device: str | torch.device = "cuda",
+) -> list[dict]:
+    """Measures each op at each size (MB of fp32 gradient); returns one dict per pair.
+
+    ``rows`` is the number of payloads dequantize_sum / dequantize_sum_requantize sum
+    (the world size N of the collective). ``reference_iters=0`` skips the reference.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("ddpcomm.bench.cuda_kernels needs a CUDA device; none is available")
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device must be a CUDA device, got {device}")
+    specs = [_parse(s) for s in (ops or DEFAULT_OPS)]
+    bad = [s for s in sizes_mb if s <= 0]
+    if bad:
+        raise ValueError(f"sizes_mb must be positive, got {bad}")
+    torch.cuda.set_device(device)
+    props = torch.cuda.get_device_properties(device)
+    l2 = getattr(props, "L2_cache_size", 50 << 20)
+    results = []
+    for size in sizes_mb:
+        numel = size * (1 << 20) // 4
+        for name, bits in specs:
+            case = _Case(name, bits, numel, block_size, rows, device)
+            row = _measure(case, l2, warmup, iters, reference_iters)
+            row.update(device=props.name, op=f"{name}:q{bits}", size_mb=size)
+            results.append(row)
+    return results
+
+
+def _measure(case: _Case, l2: int, warmup: int, iters: int, reference_iters: int) -> dict:
+    n_inputs = max(2, min(64, math.ceil(4 * l2 / case.bytes)))
+    inputs = [case.make_inputs(seed) for seed in range(n_inputs)]
+    op_ms = _time_ms(lambda i: case.call(_native, inputs[i]), n_inputs, warmup, iters)
+
+    ref_ms = float("nan")
+    if reference_iters > 0:
+        with torch.device(case.device):
+            ref_ms = _time_ms(
+                lambda i: case.call(reference, inputs[i]), n_inputs, 1, reference_iters
+            )
+    inputs.clear()  # free before the copy buffers are allocated
+
+    # The copy of the same bytes: half of them read, half written.
+    half = case.bytes // 2
+    src = [torch.empty(half, dtype=torch.uint8, device=case.device) for _ in range(n_inputs)]
+    dst = [torch.empty(half, dtype=torch.uint8, device=case.device) for _ in range(2)]
+    copy_ms = _time_ms(lambda i: dst[i % 2].copy_(src[i]), n_inputs, warmup, iters)
+    src.clear()
+    dst.clear()
+    torch.cuda.empty_cache()
+
+    row = {
+        "numel": case.numel,
+        "block_size": case.block,
+        "bytes": case.bytes,
+        "us": op_ms * 1e3,
+        "gbps": _gbps(case.bytes, op_ms),
+        "copy_gbps": _gbps(2 * half, copy_ms),
+        "ref_us": ref_ms * 1e3,
+        "ref_gbps": _gbps(case.bytes, ref_ms),
+        "x_ref": ref_ms / op_ms,
+    }
+    row["pct_copy"] = 100.0 * row["gbps"] / row["copy_gbps"]
+    return row
+
+
+class _Native:
+    """ddpcomm.ops under the names reference.py uses."""
+
+    quantize = staticmethod(native.quantize)
+    dequantize = staticmethod(native.dequantize)
+    dequantize_sum = staticmethod(native.dequantize_sum)
+    dequantize_sum_requantize = staticmethod(native.dequantize_sum_requantize)
+
+
+_native = _Native()
+
+
+def print_table(rows: list[dict]) -> None:
+    """Prints the rows of run() as a fixed-width table."""
+    if not rows:
+        print("(no results)")
+        return
+    print(
+        f"device: {rows[0]['device']}   torch {torch.__version__}   CUDA {torch.version.cuda}   "
+        f"block_size {rows[0]['block_size']}"
+    )
+    head = (
+        f"{'op':<30}{'MB':>6}{'us':>11}{'GB/s':>9}{'copy GB/s':>11}{'% copy':>8}"
+        f"{'ref us':>12}{'x ref':>8}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['op']:<30}{r['size_mb']:>6}{r['us']:>11.1f}{r['gbps']:>9.0f}"
+            f"{r['copy_gbps']:>11.0f}{r['pct_copy']:>7.1f}%{r['ref_us']:>12.1f}{r['x_ref']:>8.1f}"
+        )
