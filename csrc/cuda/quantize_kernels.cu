@@ -493,8 +493,10 @@ __device__ __forceinline__ void emit_row(const Src& src, const EncodeParams& p,
   }
 }
 
-// B <= 8192: the thread's R <= 4 rows stay in registers from the load to the codes.
-template <class Src, int kBits>
+// B <= 8192: the thread's R <= kRows rows stay in registers from the load to the codes.
+// kRows = 1 (B <= 2048, the common case) gets its own instance: fewer registers, more
+// resident warps to hide memory latency.
+template <class Src, int kBits, int kRows>
 __global__ void __launch_bounds__(kThreads) encode_kernel_regs(Src src, EncodeParams p) {
   __shared__ float levels[1 << kBits];
   __shared__ ReduceScratch scratch;
@@ -504,11 +506,11 @@ __global__ void __launch_bounds__(kThreads) encode_kernel_regs(Src src, EncodePa
   t.tree = kBits == 1 && !p.stochastic;
   const int R = p.rows;
 
-  float v[kMaxRegRows][kVec];
-  float a[kMaxRegRows][kVec];  // |e|
+  float v[kRows][kVec];
+  float a[kRows][kVec];  // |e|
   float mx = 0.0f;
 #pragma unroll
-  for (int r = 0; r < kMaxRegRows; ++r) {
+  for (int r = 0; r < kRows; ++r) {
     if (r < R && t.active) {
       src.load(t.start + t.row_offset(r), levels, v[r]);
     } else {
@@ -522,7 +524,7 @@ __global__ void __launch_bounds__(kThreads) encode_kernel_regs(Src src, EncodePa
   if (t.tree) {
     // Rows pair r with r + R/2 first: the top bits of the element index.
 #pragma unroll
-    for (int h = kMaxRegRows / 2; h >= 1; h /= 2) {
+    for (int h = kRows / 2; h >= 1; h /= 2) {
       if (h < R) {
 #pragma unroll
         for (int r = 0; r < h; ++r) {
@@ -538,7 +540,7 @@ __global__ void __launch_bounds__(kThreads) encode_kernel_regs(Src src, EncodePa
   const bool degenerate = block_is_degenerate(m);
   const float inv = block_inv(m, kBits);
 #pragma unroll
-  for (int r = 0; r < kMaxRegRows; ++r) {
+  for (int r = 0; r < kRows; ++r) {
     if (r < R) emit_row<Src, kBits>(src, p, t, r, v[r], m, inv, degenerate, levels);
   }
 }
@@ -635,8 +637,10 @@ cudaError_t launch_encode_bits(const Src& src, const EncodeParams& p, int64_t ct
                                cudaStream_t stream) {
   if (p.rows > kMaxRegRows) {
     encode_kernel_stream<Src, kBits><<<(unsigned)ctas, kThreads, 0, stream>>>(src, p);
+  } else if (p.rows > 1) {
+    encode_kernel_regs<Src, kBits, kMaxRegRows><<<(unsigned)ctas, kThreads, 0, stream>>>(src, p);
   } else {
-    encode_kernel_regs<Src, kBits><<<(unsigned)ctas, kThreads, 0, stream>>>(src, p);
+    encode_kernel_regs<Src, kBits, 1><<<(unsigned)ctas, kThreads, 0, stream>>>(src, p);
   }
   return cudaGetLastError();
 }
