@@ -63,5 +63,16 @@ cudaError_t launch_dequantize_sum_requantize(const PayloadRows& p, float* residu
                                              bool stochastic, uint64_t rng_key, int64_t rng_offset,
                                              uint8_t* out, cudaStream_t stream);
 
+// ---------------------------------------------------------------------------------------
+// Multi-tensor flatten family (csrc/flatten.h). Entry i of `count` occupies flat bytes
+// [offsets[i], offsets[i + 1]) and lives at ptrs[i] as one run of bytes; a nullptr entry
+// is skipped (the caller copies it another way). to_flat: entries -> flat, else flat ->
+// entries. `offsets` holds count + 1 non-decreasing values. Entries may have any alignment.
+// One kernel launch per 1800 entries (CUDA 12.1+; 240 with older toolkits).
+// ---------------------------------------------------------------------------------------
+
+cudaError_t launch_multi_tensor_copy(uint8_t* flat, int64_t count, void* const* ptrs,
+                                     const int64_t* offsets, bool to_flat, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace ddpcomm
