@@ -337,6 +337,47 @@ def test_dequantize_sum_requantize_non_finite_rows():
 
 
 # --------------------------------------------------------------------------------------
+# Out-variants (quantize_into, dequantize_into, dequantize_sum_into)
+# --------------------------------------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("offset", [0, 1, 2, 4])
+def test_quantize_into_matches_cpu(bits, offset):
+    # `out` is a slice of a larger buffer: at offsets 1 and 2 the payload is not 4-byte
+    # aligned and the kernel stores byte by byte; bytes outside the payload stay put.
+    n, block = 70001, 512
+    x = gradient_like(n, torch.float32, seed=bits)
+    res = residual_like(n, seed=bits)
+    res_cpu = res.clone()
+    want = ops.quantize(x, res_cpu, bits, block)
+    size = want.numel()
+    buf = torch.full((size + offset + 5,), 0xA5, dtype=torch.uint8, device="cuda")
+    res_gpu = res.cuda()
+    got = ops.quantize(x.cuda(), res_gpu, bits, block, out=buf[offset : offset + size])
+    assert_same_bytes(got, want)
+    assert_same_bits(res_gpu, res_cpu)
+    assert bool((buf[:offset] == 0xA5).all()) and bool((buf[offset + size :] == 0xA5).all())
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("offset", [0, 1, 3])
+def test_dequantize_into_matches_cpu(dtype, offset):
+    n, block, bits, rows = 40003, 128, 4, 3
+    p = random_payload_rows(rows, n, bits, block, seed=offset)
+    want = ops.dequantize(p[0], n, bits, block, dtype)
+    buf = torch.zeros(n + offset + 2, dtype=dtype, device="cuda")
+    got = ops.dequantize(p[0].cuda(), n, bits, block, dtype, out=buf[offset : offset + n])
+    assert_same_bits(got, want)
+    want = ops.dequantize_sum(p, n, bits, block, 3, dtype)
+    got = ops.dequantize_sum(p.cuda(), n, bits, block, 3, dtype, out=buf[offset : offset + n])
+    assert_same_bits(got, want)
+    assert bool((buf[:offset] == 0).all()) and bool((buf[offset + n :] == 0).all())
+
+
+# --------------------------------------------------------------------------------------
 # Errors and tracing
 # --------------------------------------------------------------------------------------
 

@@ -22,8 +22,8 @@ enum class FloatType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 // ---------------------------------------------------------------------------------------
 // Quantizer family (payload layout: csrc/numerics.h). bits in {1, 2, 4, 8}; block_size a
-// power of two in [32, 65536]. Pointers to inputs may have any element alignment; `out`
-// must be 4-byte aligned (a fresh allocation is).
+// power of two in [32, 65536]. Inputs and outputs may have any alignment (aligned ones take
+// the vector paths).
 // ---------------------------------------------------------------------------------------
 
 struct QuantizeArgs {

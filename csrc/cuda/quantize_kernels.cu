@@ -179,6 +179,16 @@ __device__ __forceinline__ uint64_t load_codes(const uint8_t* p, bool aligned) {
   return w;
 }
 
+__device__ __forceinline__ void store_scale(uint8_t* p, float m, bool aligned) {
+  if (aligned) {
+    *reinterpret_cast<float*>(p) = m;
+    return;
+  }
+  const uint32_t u = __float_as_uint(m);
+#pragma unroll
+  for (int b = 0; b < 4; ++b) p[b] = (uint8_t)(u >> (8 * b));
+}
+
 __device__ __forceinline__ float load_scale(const uint8_t* p, bool aligned) {
   if (aligned) return *reinterpret_cast<const float*>(p);
   const uint32_t u =
@@ -186,14 +196,18 @@ __device__ __forceinline__ float load_scale(const uint8_t* p, bool aligned) {
   return __uint_as_float(u);
 }
 
-// Packs 8 codes LSB-first (element k at bit k*b) and stores their b bytes at p, which is
-// aligned as load_codes describes (the kernels' own output always is).
+// Packs 8 codes LSB-first (element k at bit k*b) and stores their b bytes at p: as words
+// when the payload is aligned as load_codes describes, else byte by byte (an `out` that is
+// a byte slice of a larger buffer).
 template <int kBits>
-__device__ __forceinline__ void store_codes(uint8_t* p, const uint32_t (&c)[kVec]) {
+__device__ __forceinline__ void store_codes(uint8_t* p, const uint32_t (&c)[kVec], bool aligned) {
   uint64_t w = 0;
 #pragma unroll
   for (int k = 0; k < kVec; ++k) w |= (uint64_t)c[k] << (k * kBits);
-  if constexpr (kBits == 8) {
+  if (!aligned) {
+#pragma unroll
+    for (int b = 0; b < kBits; ++b) p[b] = (uint8_t)(w >> (8 * b));
+  } else if constexpr (kBits == 8) {
     reinterpret_cast<uint32_t*>(p)[0] = (uint32_t)w;
     reinterpret_cast<uint32_t*>(p)[1] = (uint32_t)(w >> 32);
   } else if constexpr (kBits == 4) {
@@ -252,7 +266,7 @@ __device__ __forceinline__ void fill_levels(float* levels) {
 
 template <int kBits, typename OutT>
 __global__ void __launch_bounds__(kThreads)
-    decode_kernel(PayloadView pv, int64_t n, float divisor, OutT* __restrict__ out) {
+    decode_kernel(PayloadView pv, int64_t n, float divisor, OutT* __restrict__ out, bool out_vec) {
   __shared__ float levels[1 << kBits];
   fill_levels<kBits>(levels);
   __syncthreads();
@@ -267,7 +281,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int k = 0; k < kVec; ++k) acc[k] = acc[k] / divisor;
   }
-  store8(out, i0, n, true, acc);
+  store8(out, i0, n, out_vec, acc);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -351,6 +365,7 @@ struct EncodeParams {
   uint64_t rng_key;
   int64_t rng_offset;
   uint8_t* out;
+  bool out_aligned;  // out is 4-byte aligned: scales and codes are stored as words
   int64_t rec;
   bool residual;  // write the residual
 };
@@ -484,7 +499,7 @@ __device__ __forceinline__ void emit_row(const Src& src, const EncodeParams& p,
       codes[k] = quantize_one(src.to_e(v[k]), inv, kBits, p.stochastic, u);
     }
   }
-  store_codes<kBits>(p.out + t.blk * p.rec + kScaleBytes + j0 * kBits / 8, codes);
+  store_codes<kBits>(p.out + t.blk * p.rec + kScaleBytes + j0 * kBits / 8, codes, p.out_aligned);
   if (p.residual && j0 < t.valid) {
     float deq[kVec];
 #pragma unroll
@@ -536,7 +551,7 @@ __global__ void __launch_bounds__(kThreads) encode_kernel_regs(Src src, EncodePa
   }
   const float m = block_magnitude(t, a[0], mx, p.log2_group, scratch);
   if (!t.active) return;  // no barrier follows
-  if (t.g == 0) *reinterpret_cast<float*>(p.out + t.blk * p.rec) = m;
+  if (t.g == 0) store_scale(p.out + t.blk * p.rec, m, p.out_aligned);
   const bool degenerate = block_is_degenerate(m);
   const float inv = block_inv(m, kBits);
 #pragma unroll
@@ -605,7 +620,7 @@ __global__ void __launch_bounds__(kThreads) encode_kernel_stream(Src src, Encode
   }
   const float m = block_magnitude(t, part, mx, p.log2_group, scratch);
   if (!t.active) return;  // no barrier follows
-  if (t.g == 0) *reinterpret_cast<float*>(p.out + t.blk * p.rec) = m;
+  if (t.g == 0) store_scale(p.out + t.blk * p.rec, m, p.out_aligned);
   const bool degenerate = block_is_degenerate(m);
   const float inv = block_inv(m, kBits);
   for (int r = 0; r < R; ++r) {
@@ -687,18 +702,23 @@ cudaError_t launch_decode_typed(const PayloadRows& p, float divisor, OutT* out,
   const int64_t ctas = (p.numel + (int64_t)kThreads * kVec - 1) / ((int64_t)kThreads * kVec);
   if (!grid_fits(ctas)) return cudaErrorInvalidValue;
   const PayloadView pv = payload_view(p);
+  const bool out_vec = aligned16(out);
   switch (p.bits) {
     case 1:
-      decode_kernel<1, OutT><<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, divisor, out);
+      decode_kernel<1, OutT>
+          <<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, divisor, out, out_vec);
       break;
     case 2:
-      decode_kernel<2, OutT><<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, divisor, out);
+      decode_kernel<2, OutT>
+          <<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, divisor, out, out_vec);
       break;
     case 4:
-      decode_kernel<4, OutT><<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, divisor, out);
+      decode_kernel<4, OutT>
+          <<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, divisor, out, out_vec);
       break;
     default:
-      decode_kernel<8, OutT><<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, divisor, out);
+      decode_kernel<8, OutT>
+          <<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, divisor, out, out_vec);
       break;
   }
   return cudaGetLastError();
@@ -716,7 +736,6 @@ cudaError_t launch_requantize_bits(const PayloadRows& rows, float* residual, flo
 
 cudaError_t launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
   if (!valid_bits_block(a.bits, a.block_size) || a.numel < 0) return cudaErrorInvalidValue;
-  if ((reinterpret_cast<uintptr_t>(a.out) & 3u) != 0) return cudaErrorInvalidValue;
   if (a.numel == 0) return cudaSuccess;
   EncodeParams p{};
   const int64_t ctas = encode_geometry(a.numel, a.bits, a.block_size, p);
@@ -725,6 +744,7 @@ cudaError_t launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
   p.rng_key = a.rng_key;
   p.rng_offset = a.rng_offset;
   p.out = a.out;
+  p.out_aligned = (reinterpret_cast<uintptr_t>(a.out) & 3u) == 0;
   p.residual = a.residual != nullptr;
   switch (a.x_type) {
     case FloatType::kFloat32:
@@ -763,7 +783,6 @@ cudaError_t launch_dequantize_sum_requantize(const PayloadRows& rows, float* res
       divisor < 1) {
     return cudaErrorInvalidValue;
   }
-  if ((reinterpret_cast<uintptr_t>(out) & 3u) != 0) return cudaErrorInvalidValue;
   if (rows.numel == 0) return cudaSuccess;
   EncodeParams p{};
   const int64_t ctas = encode_geometry(rows.numel, rows.bits, rows.block_size, p);
@@ -772,6 +791,7 @@ cudaError_t launch_dequantize_sum_requantize(const PayloadRows& rows, float* res
   p.rng_key = rng_key;
   p.rng_offset = rng_offset;
   p.out = out;
+  p.out_aligned = (reinterpret_cast<uintptr_t>(out) & 3u) == 0;
   p.residual = residual != nullptr;
   const float div = (float)divisor;
   switch (rows.bits) {
