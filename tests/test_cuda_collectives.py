@@ -1,0 +1,136 @@
+"""Collectives and hooks with CUDA tensors: gloo with 2 ranks sharing one GPU, NCCL with 1.
+
+The CUDA ops give the CPU ops' bits, and the algorithms are deterministic, so a compressed
+all-reduce of CUDA tensors must give bitwise the result (and error-feedback residuals) of
+the same all-reduce of CPU tensors, step after step. Under DDP (CUDA model, tiny buckets)
+every replica must stay bitwise identical and close to DDP's default. Skipped without a
+CUDA device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpcomm
+from ddpcomm import collectives, compressors
+from ddpcomm.collectives import ReduceContext, ResidualMemory
+from tests.dist_utils import run_ranks
+
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(
+    not CUDA, reason="no CUDA device (torch.cuda.is_available() is False)"
+)
+
+STEPS = 3
+# (spec, options): every bit width, both algorithms, error feedback, stochastic rounding.
+CONFIGS = [
+    ("q8", dict(algorithm="all_gather")),
+    ("q8", dict(algorithm="two_phase", error_feedback=True)),
+    ("q4", dict(algorithm="two_phase", stochastic=True, error_feedback=True, seed=3)),
+    ("q2", dict(block_size=64)),
+    ("q1", dict(block_size=1024, algorithm="all_gather")),
+]
+
+
+def rank_input(rank: int, n: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
+
+
+def _compare_devices(rank: int, cuda_group, cpu_group) -> list[str]:
+    """Runs every config on CUDA tensors over cuda_group and on CPU tensors over cpu_group;
+    returns a description of every mismatch (empty when bitwise equal)."""
+    torch.cuda.set_device(0)
+    bad = []
+    n = 3 * 4096 + 77  # several blocks and chunks, a partial last block
+    for spec, opts in CONFIGS:
+        comp = compressors.parse(spec, **opts)
+        mem_cpu, mem_gpu = ResidualMemory(), ResidualMemory()
+        for step in range(STEPS):
+            x = rank_input(rank, n, step)
+            ctx_cpu = ReduceContext(group=cpu_group, memory=mem_cpu, key=0, step=step)
+            ctx_gpu = ReduceContext(group=cuda_group, memory=mem_gpu, key=0, step=step)
+            want = collectives.all_reduce_mean(x.clone(), comp, ctx_cpu).wait()
+            got = collectives.all_reduce_mean(x.cuda(), comp, ctx_gpu).wait()
+            torch.cuda.synchronize()
+            if not got.is_cuda or not torch.equal(got.cpu(), want):
+                bad.append(f"{spec} {opts} step {step}: result differs")
+            for key, buf in mem_cpu.buffers.items():
+                other = mem_gpu.buffers.get(key)
+                if other is None or not torch.equal(other.cpu(), buf):
+                    bad.append(f"{spec} {opts} step {step}: residual {key} differs")
+    return bad
+
+
+def check_gloo(rank, world):
+    return _compare_devices(rank, None, None)
+
+
+def check_nccl(rank, world):
+    nccl = dist.new_group(backend="nccl")
+    try:
+        return _compare_devices(rank, nccl, None)
+    finally:
+        dist.destroy_process_group(nccl)
+
+
+def test_cuda_all_reduce_matches_cpu_on_gloo_two_ranks_one_gpu():
+    for rank, bad in enumerate(run_ranks(check_gloo, 2)):
+        assert bad == [], f"rank {rank}: {bad}"
+
+
+def test_cuda_all_reduce_matches_cpu_on_nccl_one_rank():
+    assert run_ranks(check_nccl, 1) == [[]]
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8)
+    )
+
+
+def train(rank, state, hook, steps=20):
+    model = make_model().cuda()
+    ddp = DDP(model, device_ids=[0], bucket_cap_mb=0.01)
+    if hook is not None:
+        ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(7919 * step + rank)
+        x = torch.randn(32, 32, generator=g).cuda()
+        loss = nn.functional.mse_loss(ddp(x), torch.sin(x[:, :8] * 2.0))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def check_ddp(rank, world):
+    torch.cuda.set_device(0)
+    ref = train(rank, None, None)
+    out = {}
+    for name, state in (
+        ("q8", ddpcomm.QuantizeState(bits=8)),
+        ("q4ef", ddpcomm.QuantizeState(bits=4, error_feedback=True)),
+        ("default", None),
+    ):
+        p = train(rank, state, ddpcomm.quantize_hook)
+        every = [torch.empty_like(p) for _ in range(world)]
+        dist.all_gather(every, p)
+        out[name] = (
+            all(torch.equal(every[0], e) for e in every),
+            float((p - ref).norm() / ref.norm()),
+        )
+    return out
+
+
+def test_quantize_hook_with_cuda_model_on_gloo():
+    for name, (identical, rel) in run_ranks(check_ddp, 2)[0].items():
+        assert identical, f"{name}: replicas differ"
+        # Same bounds as tests/test_hooks.py's CPU parity (20 steps here, not 50).
+        assert 0 < rel < (0.01 if name != "q4ef" else 0.05), (name, rel)
