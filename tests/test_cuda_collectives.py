@@ -9,7 +9,6 @@ CUDA device.
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -18,12 +17,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddpcomm
 from ddpcomm import collectives, compressors
 from ddpcomm.collectives import ReduceContext, ResidualMemory
+from tests.cuda_utils import needs_cuda
 from tests.dist_utils import run_ranks
 
-CUDA = torch.cuda.is_available()
-pytestmark = pytest.mark.skipif(
-    not CUDA, reason="no CUDA device (torch.cuda.is_available() is False)"
-)
+pytestmark = needs_cuda
 
 STEPS = 3
 # (spec, options): every bit width, both algorithms, error feedback, stochastic rounding.

@@ -1,12 +1,11 @@
 """CUDA ops against the CPU ops, bit for bit.
 
-The CPU ops are held to ddpcomm/reference.py by tests/test_ops.py; here every CUDA op must
-give the same bits as the CPU op on the same input: payload bytes (scales and codes),
-residuals and dequantized values. Sums run in the same (row) order on both devices, so
-no tolerance is needed anywhere. The one exception is the payload of a NaN: IEEE leaves
-its sign and mantissa bits to the hardware (an x86 core keeps the operand's NaN, a GPU
-returns its canonical one), so NaNs compare by position only. Block scales of
-non-finite blocks are written as the same constant on both devices and compare bytewise.
+The CPU ops are held to ddpcomm/reference.py by tests/test_quantize_ops.py; here every CUDA
+op must give the same bits as the CPU op on the same input: payload bytes (scales and
+codes), residuals and dequantized values. Sums run in the same (row) order on both devices,
+so no tolerance is needed anywhere; NaNs compare by position (tests/cuda_utils.py says
+why). Block scales of non-finite blocks are written as the same constant on both devices
+and compare bytewise.
 
 Without a CUDA device every test here is skipped, with that reason.
 """
@@ -18,14 +17,9 @@ import torch
 
 import ddpcomm
 from ddpcomm import ops
-
-CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(
-    not CUDA, reason="no CUDA device (torch.cuda.is_available() is False)"
-)
+from tests.cuda_utils import CUDA, DTYPES, assert_same_bits, assert_same_bytes, needs_cuda
 
 BITS = [1, 2, 4, 8]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # 32: 64 blocks per CTA; 256: one warp per block; 4096 / 8192: 2 / 4 register rows per
 # thread; 16384 / 65536: the streaming kernel (8 / 32 rows, bit-reversed tree).
 BLOCKS = [32, 256, 4096, 8192, 16384, 65536]
@@ -36,34 +30,6 @@ def sizes(block: int) -> list[int]:
     return sorted({0, 1, block - 1, block + 1, *LARGE})
 
 
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-
-def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Bitwise equality of float tensors, NaNs compared by position (see module doc)."""
-    got, want = got.cpu(), want.cpu()
-    assert got.dtype == want.dtype and got.shape == want.shape
-    gnan, wnan = torch.isnan(got), torch.isnan(want)
-    assert torch.equal(gnan, wnan), f"NaN positions differ: {int((gnan != wnan).sum())}"
-    gi, wi = got.view(_INT_VIEW[got.dtype]), want.view(_INT_VIEW[want.dtype])
-    diff = (gi != wi) & ~gnan
-    if diff.any():
-        i = int(diff.nonzero()[0])
-        raise AssertionError(
-            f"{int(diff.sum())} of {got.numel()} values differ; first at {i}: "
-            f"got {got.view(-1)[i].item()!r}, want {want.view(-1)[i].item()!r}"
-        )
-
-
-def assert_same_bytes(got: torch.Tensor, want: torch.Tensor) -> None:
-    got, want = got.cpu(), want.cpu()
-    assert got.dtype == want.dtype == torch.uint8 and got.shape == want.shape
-    diff = got != want
-    if diff.any():
-        i = int(diff.nonzero()[0])
-        raise AssertionError(f"{int(diff.sum())} of {got.numel()} bytes differ; first at {i}")
-
-
 def gradient_like(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Values whose fp32 sums are sensitive to addition order, with per-region scales
     spanning 2**-12 .. 2**12, and some all-zero stretches (degenerate blocks)."""
@@ -71,8 +37,8 @@ def gradient_like(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     x = torch.rand(n, generator=g) * 2 - 1
     scale = torch.exp2(torch.randint(-12, 13, ((n + 999) // 1000,), generator=g).float())
     x = x * scale.repeat_interleave(1000)[:n]
-    if n > 70000:
-        x[5000:70000] = 0.0  # covers at least one whole block of every tested size
+    if n >= 2 * 65536:
+        x[65536 : 2 * 65536] = 0.0  # one whole block (m = 0) at every tested block size
     return x.to(dtype)
 
 
