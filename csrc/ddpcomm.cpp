@@ -20,6 +20,13 @@ TORCH_LIBRARY(ddpcomm, m) {
       "dequantize_sum_requantize(Tensor payloads, Tensor(a!)? residual, int numel, int bits, "
       "int block_size, int divisor, bool stochastic=False, int seed=0, int step=0, "
       "int rng_offset=0) -> Tensor");
+
+  // Multi-tensor flatten family. Semantics and checks: csrc/flatten.h. flatten_into is a
+  // separate op rather than an optional `out` of flatten: an op whose return may alias a
+  // mutated input cannot be functionalized (torch.compile) or pass opcheck.
+  m.def("flatten(Tensor[] tensors) -> Tensor");
+  m.def("flatten_into(Tensor[] tensors, Tensor(a!) out) -> ()");
+  m.def("unflatten_into(Tensor flat, Tensor(a!)[] tensors) -> ()");
 }
 
 namespace {
