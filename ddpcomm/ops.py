@@ -111,16 +111,16 @@ def _(payloads, residual, numel, bits, block_size, divisor, stochastic=False, se
 # --------------------------------------------------------------------------------------
 
 
-def _tensor_list(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], op: str) -> list:
+def _tensor_list(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], op: str):
     # A Tensor is iterable (over its first dim), so it must be refused explicitly.
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
         raise TypeError(
             f"{op}: tensors must be a list or tuple of tensors, got {type(tensors).__name__}"
         )
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
-    return list(tensors)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        i, t = next((i, t) for i, t in enumerate(tensors) if not isinstance(t, torch.Tensor))
+        raise TypeError(f"{op}: tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
+    return tensors
 
 
 def flatten(

@@ -139,6 +139,34 @@ def _check_tensor(t, arg: str, compressor: Compressor, op) -> None:
         )
 
 
+def _group_by_dtype(tensors, compressor: Compressor, op) -> dict[torch.dtype, list]:
+    """Checks every entry and groups them by dtype, in order of first appearance.
+
+    The dtype-dependent checks run once per dtype: with hundreds of small tensors per
+    call, per-tensor Python work is a visible share of the call's latency.
+    """
+    groups: dict[torch.dtype, list] = {}
+    device = None
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        members = groups.get(t.dtype)
+        if members is None:
+            _check_tensor(t, f"tensors[{i}]", compressor, op)
+            members = groups[t.dtype] = []
+        if t.layout != torch.strided:
+            raise TypeError(f"tensors[{i}] must be a dense (strided) tensor, got {t.layout}")
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(
+                f"tensors[{i}] is on {t.device} but tensors[0] is on {device}; "
+                "all_reduce_coalesced takes tensors on one device (call it once per device)"
+            )
+        members.append(t)
+    return groups
+
+
 # --------------------------------------------------------------------------------------
 # Per-group bookkeeping for lossy calls
 # --------------------------------------------------------------------------------------
@@ -173,41 +201,60 @@ def _verify_once(pg: dist.ProcessGroup, compressor: Compressor, numel: int, devi
 # --------------------------------------------------------------------------------------
 
 
-def _reduce_flat(flat: torch.Tensor, compressor: Compressor, op, pg, step: int, key: int):
-    """Issues the collective(s) for ``flat``; returns a Future of the reduced 1-D tensor.
+def _issue(flat: torch.Tensor, compressor: Compressor, op, pg, step: int, key: int):
+    """Issues the collective(s) reducing the 1-D contiguous ``flat``.
 
-    The lossless result is ``flat`` itself, reduced in place; a lossy result is a new
-    tensor (``flat`` may have been used as scratch).
+    Returns what to wait on: a Work for lossless SUM and other ReduceOps (``flat`` is
+    reduced in place), a Future otherwise (lossless mean: of ``flat``, in place; lossy: of
+    the mean as a new tensor, ``flat`` having served as scratch).
     """
     if not compressor.lossy:
         if op == "mean":
             # The same lossless path as ddpcomm.allreduce_hook: divide, then sum.
             return collectives.plain_all_reduce(flat, ReduceContext(group=pg))
         rop = ReduceOp.SUM if op == "sum" else op
-        work = dist.all_reduce(flat, op=rop, group=pg, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
-    world = dist.get_world_size(pg)
-    fut = collectives.all_reduce_mean(flat, compressor, ReduceContext(group=pg, key=key, step=step))
-    if op == "sum":
-        return fut.then(lambda f: f.value().mul_(world))
-    return fut
+        return dist.all_reduce(flat, op=rop, group=pg, async_op=True)
+    return collectives.all_reduce_mean(
+        flat, compressor, ReduceContext(group=pg, key=key, step=step)
+    )
 
 
-def _finish(pending: list[Future], tensors: list[torch.Tensor], async_op: bool):
-    """Waits for (or hands back a handle on) the write-backs of every flat buffer."""
+def _reduced(flat: torch.Tensor, compressor: Compressor, op, pg, value) -> torch.Tensor:
+    """The reduced values of ``flat`` once its work is done; ``value`` is what it gave."""
+    if not compressor.lossy:
+        return flat
+    return value.mul_(dist.get_world_size(pg)) if op == "sum" else value
+
+
+def _run(jobs, compressor: Compressor, op, pg, step: int, tensors, async_op: bool):
+    """Issues every job's collective in job order (the same on every rank), then writes
+    each result back with its job's ``write(reduced)``: on this thread once all are issued
+    (sync), or in the completion callbacks (async_op)."""
+    issued = [
+        (flat, write, _issue(flat, compressor, op, pg, step, key))
+        for key, (flat, write) in enumerate(jobs)
+    ]
+    if not async_op:
+        # Waiting here rather than in callbacks keeps the write-back on the caller's
+        # thread and its intra-op thread settings, and saves a Future per job.
+        for flat, write, pending in issued:
+            write(_reduced(flat, compressor, op, pg, pending.wait()))
+        return None
+
+    def finisher(flat, write):
+        return lambda f: write(_reduced(flat, compressor, op, pg, f.value()))
+
+    futures = [
+        (p.get_future() if isinstance(p, dist.Work) else p).then(finisher(flat, write))
+        for flat, write, p in issued
+    ]
 
     def result(all_done: Future) -> list[torch.Tensor]:
         for f in all_done.value():
-            f.value()  # re-raises that buffer's failure
+            f.value()  # re-raises that job's failure
         return tensors
 
-    done = torch.futures.collect_all(pending).then(result)
-    if async_op:
-        return AllReduceHandle(done)
-    for f in pending:
-        f.wait()  # raises the first failure as itself, not wrapped by collect_all
-    done.wait()
-    return None
+    return AllReduceHandle(torch.futures.collect_all(futures).then(result))
 
 
 def _memory_order_view(t: torch.Tensor) -> torch.Tensor | None:
@@ -300,17 +347,14 @@ def all_reduce(
     flat = view if view is not None else ops.flatten([tensor])
     if compressor.lossy:
         _verify_once(pg, compressor, flat.numel(), flat.device)
-    fut = _reduce_flat(flat, compressor, rop, pg, _next_step(pg), 0)
 
-    def write_back(f):
-        out = f.value()
+    def write(out: torch.Tensor) -> None:
         if view is None:
             ops.unflatten_into(out, [tensor])
         elif out.data_ptr() != view.data_ptr():
             view.copy_(out)
-        return out
 
-    return _finish([fut.then(write_back)], [tensor], async_op)
+    return _run([(flat, write)], compressor, rop, pg, _next_step(pg), [tensor], async_op)
 
 
 def all_reduce_coalesced(
@@ -353,29 +397,18 @@ def all_reduce_coalesced(
     pg = _check_group(group)
     if not isinstance(async_op, bool):
         raise TypeError(f"async_op must be a bool, got {async_op!r}")
-    for i, t in enumerate(tensors):
-        _check_tensor(t, f"tensors[{i}]", compressor, rop)
-        if t.device != tensors[0].device:
-            raise ValueError(
-                f"tensors[{i}] is on {t.device} but tensors[0] is on {tensors[0].device}; "
-                "all_reduce_coalesced takes tensors on one device (call it once per device)"
-            )
     tensors = list(tensors)
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.dtype, []).append(t)
-    groups = {d: ts for d, ts in groups.items() if sum(t.numel() for t in ts) > 0}
+    groups = _group_by_dtype(tensors, compressor, rop)
+    # A group of empty tensors has nothing to reduce; every rank skips it alike.
+    groups = [ts for ts in groups.values() if any(t.numel() for t in ts)]
     if not groups:
         return _completed(tensors) if async_op else None
 
-    step = _next_step(pg)
-    flats = {d: ops.flatten(ts) for d, ts in groups.items()}
+    flats = [ops.flatten(ts) for ts in groups]
     if compressor.lossy:
-        first = next(iter(flats.values()))
-        _verify_once(pg, compressor, first.numel(), first.device)
-    pending = []
-    for key, (dtype, flat) in enumerate(flats.items()):
-        members = groups[dtype]
-        fut = _reduce_flat(flat, compressor, rop, pg, step, key)
-        pending.append(fut.then(lambda f, members=members: ops.unflatten_into(f.value(), members)))
-    return _finish(pending, tensors, async_op)
+        _verify_once(pg, compressor, flats[0].numel(), flats[0].device)
+    jobs = [
+        (flat, lambda out, ts=ts: ops.unflatten_into(out, ts))
+        for flat, ts in zip(flats, groups, strict=True)
+    ]
+    return _run(jobs, compressor, rop, pg, _next_step(pg), tensors, async_op)
