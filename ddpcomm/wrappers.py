@@ -21,7 +21,8 @@ keep: spec strings are built with ``error_feedback=False`` (q1/q2 default it on 
 and a compressor object with error feedback on is refused. Use the hooks to get it.
 
 Every argument is checked on every tensor before any tensor is touched or any collective
-issued, so a refused call leaves its inputs unchanged and its peers not waiting.
+issued, so a refused call leaves its inputs unchanged and its peers not waiting. (The one
+check that runs later is whether coalesced entries share memory; see there.)
 """
 
 from __future__ import annotations
@@ -370,8 +371,13 @@ def all_reduce_coalesced(
     groups in the same order), each group is flattened into one buffer by the fused native
     op, reduced with one collective (or one compressed all-reduce), and written back in
     place. The values are those of :func:`all_reduce` on the group's flat buffer: for
-    ``"none"`` bitwise those of reducing each tensor separately. All tensors must be on one
-    device; empty groups issue nothing.
+    ``"none"`` what torch's own coalesced path (flatten, one all_reduce) gives; with one
+    or two ranks, or integers, bitwise what reducing each tensor separately gives. (With
+    three ranks or more, gloo and NCCL sum an element's contributions in an order set by
+    its position in the buffer, so float results differ from per-tensor reductions by
+    rounding.) All tensors must be on one device; empty groups issue nothing. Entries
+    must not share memory: that is found when writing back, so the call raises ValueError
+    after its collective (on every rank alike) with no entry written.
 
     Args:
         tensors: a list or tuple of dense tensors on one device (any shapes, strides and

@@ -195,6 +195,13 @@ def _check_lossy(rank, world):
         ddpcomm.all_reduce(t, compression=spec)
         assert torch.equal(t, torch.full((3000,), 0.75 * (world + 1) / 2)), spec
         outputs[(spec, "const")] = [t]
+    # Async lossy calls give what the sync ones give (deterministic rounding).
+    sync, _ = _float_groups(rank, 6)
+    ddpcomm.all_reduce_coalesced(sync, compression="q4")
+    tensors, _ = _float_groups(rank, 6)
+    handle = ddpcomm.all_reduce_coalesced(tensors, compression="q4", async_op=True)
+    assert handle.wait() and handle.get_future().value() == tensors
+    assert all(_same_bits(a, b) for a, b in zip(tensors, sync, strict=True))
     # A compressor object works; so does a lossy all_reduce of a non-contiguous tensor.
     q = compressors.parse("q8", block_size=64)
     t = torch.full((8, 4), float(rank)).t()
@@ -289,7 +296,15 @@ def _check_bad_inputs(rank, world):
     _refused(lambda: ddpcomm.all_reduce(x, compression=8), TypeError, "compression must be", x)
     _refused(lambda: ddpcomm.all_reduce(x, async_op="yes"), TypeError, "async_op must be", x)
     _refused(lambda: ddpcomm.all_reduce(x, group="world"), TypeError, "group must be", x)
-    # No refused call issued a collective: the ranks are still in step.
+    # Entries sharing memory cannot both be written back: refused at the write-back,
+    # after the (matching) collective on every rank, before any entry is written.
+    _refused(
+        lambda: ddpcomm.all_reduce_coalesced([x, x[1:3]], op="sum"),
+        ValueError,
+        r"tensors\[0\] and tensors\[1\] share memory",
+        x,
+    )
+    # No refused call left a collective unmatched: the ranks are still in step.
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
     assert t.item() == world * (world - 1) / 2
