@@ -10,9 +10,10 @@ Reductions. ``op`` is ``"sum"``, ``"mean"`` or a ``torch.distributed.ReduceOp``:
 
 - ``"none"`` + ``"sum"`` is ``dist.all_reduce(t, ReduceOp.SUM)``, bit for bit; other
   ReduceOps (MIN, MAX, PRODUCT, ...) are passed to torch unchanged.
-- ``"none"`` + ``"mean"`` (or ``ReduceOp.AVG``) divides by the world size first and then
-  sums, on every backend: the order DDP and ``ddpcomm.allreduce_hook`` use (the same code
-  path), which keeps float16 sums from overflowing, and gloo has no AVG to defer to.
+- ``"none"`` + ``"mean"`` (or ``ReduceOp.AVG``) multiplies by 1/N and then sums, on every
+  backend: what DDP's reducer does and ``ddpcomm.allreduce_hook`` does (the same code
+  path, ``collectives.plain_all_reduce``), so results are bitwise DDP's; scaling first
+  keeps float16 sums from overflowing, and gloo has no AVG to defer to.
 - Lossy methods compute the mean over ranks (``collectives.all_reduce_mean``); ``"sum"``
   multiplies it by the world size. Every rank ends with bitwise the same values.
 
@@ -207,11 +208,11 @@ def _issue(flat: torch.Tensor, compressor: Compressor, op, pg, step: int, key: i
 
     Returns what to wait on: a Work for lossless SUM and other ReduceOps (``flat`` is
     reduced in place), a Future otherwise (lossless mean: of ``flat``, in place; lossy: of
-    the mean as a new tensor, ``flat`` having served as scratch).
+    the mean, written into ``flat`` or, for casts, a new tensor).
     """
     if not compressor.lossy:
         if op == "mean":
-            # The same lossless path as ddpcomm.allreduce_hook: divide, then sum.
+            # The same lossless path as ddpcomm.allreduce_hook: scale by 1/N, then sum.
             return collectives.plain_all_reduce(flat, ReduceContext(group=pg))
         rop = ReduceOp.SUM if op == "sum" else op
         return dist.all_reduce(flat, op=rop, group=pg, async_op=True)

@@ -47,7 +47,7 @@ def _flat_reference(tensors, op):
         members = [t for t in out if t.dtype == dtype]
         flat = torch._utils._flatten_dense_tensors(members)
         if op == "mean":
-            flat.div_(dist.get_world_size())
+            flat.mul_(1.0 / dist.get_world_size())
         dist.all_reduce(flat)
         for t, v in zip(members, torch._utils._unflatten_dense_tensors(flat, members), strict=True):
             t.copy_(v)
@@ -71,12 +71,12 @@ def _check_lossless(rank, world):
         dist.all_reduce(ref)
         ddpcomm.all_reduce(t, op="sum")
         assert _same_bits(t, ref), t.dtype
-    # op="mean" / ReduceOp.AVG: divide, then sum (DDP's order).
+    # op="mean" / ReduceOp.AVG: scale by 1/N, then sum (DDP's reducer, bit for bit).
     for op in ("mean", dist.ReduceOp.AVG):
         for t in _inputs(rank, seed=1):
             if not t.dtype.is_floating_point:
                 continue
-            ref = t.clone().div_(world)
+            ref = t.clone().mul_(1.0 / world)
             dist.all_reduce(ref)
             ddpcomm.all_reduce(t, op=op)
             assert _same_bits(t, ref), (op, t.dtype)
@@ -96,7 +96,7 @@ def _check_lossless(rank, world):
         ref_each = [t.clone() for t in float_or_int]
         for r in ref_each:
             if op == "mean":
-                r.div_(world)
+                r.mul_(1.0 / world)
             dist.all_reduce(r)
         calls = []
         real = dist.all_reduce

@@ -16,17 +16,14 @@ Two measurements, side by side in one run:
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
-import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ddpcomm.bench._spawn import spawn
 
 
 def add_parser(sub) -> None:
@@ -77,57 +74,26 @@ def _small_tensors(n: int, max_numel: int, rank: int) -> list[torch.Tensor]:
     return [torch.randn(max(1, int(s)), generator=g) for s in sizes]
 
 
-def _rank(rank: int, world: int, store: str, args, results) -> None:
+def _rank(rank: int, world: int, args) -> dict:
     import ddpcomm
 
-    torch.set_num_threads(1)  # world ranks share the machine's cores
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    try:
-        tensors = _small_tensors(args.tensors, args.max_numel, rank)
+    tensors = _small_tensors(args.tensors, args.max_numel, rank)
 
-        def per_tensor():
-            for t in tensors:
-                dist.all_reduce(t)
+    def per_tensor():
+        for t in tensors:
+            dist.all_reduce(t)
 
-        def torch_flat():
-            flat = _flatten_dense_tensors(tensors)
-            dist.all_reduce(flat)
-            for t, v in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
-                t.copy_(v)
+    def torch_flat():
+        flat = _flatten_dense_tensors(tensors)
+        dist.all_reduce(flat)
+        for t, v in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
+            t.copy_(v)
 
-        def fused():
-            ddpcomm.all_reduce_coalesced(tensors, op="sum")
+    def fused():
+        ddpcomm.all_reduce_coalesced(tensors, op="sum")
 
-        variants = {"per_tensor": per_tensor, "torch_flatten": torch_flat, "ddpcomm": fused}
-        row = _medians_ms(variants, args.reps, dist.barrier)
-        if rank == 0:
-            results.put(row)
-    finally:
-        dist.destroy_process_group()
-
-
-def _collective_rows(args) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(target=_rank, args=(r, args.world, store, args, results))
-            for r in range(args.world)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"a benchmark rank failed: exit codes {[p.exitcode for p in procs]}")
-        return results.get(timeout=10)
+    variants = {"per_tensor": per_tensor, "torch_flatten": torch_flat, "ddpcomm": fused}
+    return _medians_ms(variants, args.reps, dist.barrier)
 
 
 def _flatten_rows(args) -> dict:
@@ -162,7 +128,8 @@ def run(args) -> int:
         raise ValueError("--flatten-mb and --flatten-count must be >= 1")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads in this process")
 
-    row = _collective_rows(args)
+    # One intra-op thread per rank: the ranks share the machine's cores.
+    row = spawn(_rank, args.world, args, threads=1)[0]
     print(
         f"\n{args.tensors} fp32 tensors of 1..{args.max_numel} elements, all_reduce SUM "
         f"on {args.world} gloo ranks (median of {args.reps}, ms):"
@@ -180,15 +147,3 @@ def run(args) -> int:
             f"{base / ms:5.2f}x torch flatten   {limit / ms:5.2f}x of memcpy speed"
         )
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Runs this command alone: ``python -m ddpcomm.bench.coalesced``."""
-    parser = argparse.ArgumentParser(prog="python -m ddpcomm.bench.coalesced")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["coalesced", *(argv if argv is not None else sys.argv[1:])])
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
