@@ -18,7 +18,8 @@ import doctest
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks
+
+from tests.dist_utils import run_ranks
 
 WORLDS = [1, 2, 3, 4]
 
