@@ -23,7 +23,10 @@ def _entry(fn, rank, world, store_path, results, args):
     try:
         torch.set_num_threads(1)
         dist.init_process_group(
-            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world,
             timeout=datetime.timedelta(seconds=60),
         )
         try:
@@ -40,8 +43,10 @@ def run_ranks(fn, world: int, *args, timeout: float = 240.0) -> list:
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, results, args))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world, store, results, args))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         out: dict[int, object] = {}
@@ -55,8 +60,10 @@ def run_ranks(fn, world: int, *args, timeout: float = 240.0) -> list:
                     errors.append(f"rank {rank} failed:\n{value}")
                     break
         except queue.Empty:
-            errors.append(f"timed out after {timeout}s waiting for ranks "
-                          f"{sorted(set(range(world)) - set(out))}")
+            errors.append(
+                f"timed out after {timeout}s waiting for ranks "
+                f"{sorted(set(range(world)) - set(out))}"
+            )
         finally:
             for p in procs:
                 p.join(timeout=5 if not errors else 0.5)

@@ -82,10 +82,14 @@ using EncodeFn = void (*)(const float*, int64_t, int64_t, uint8_t*, float*, uint
 EncodeFn pick_encoder(int bits, bool stochastic) {
 #define DDPC_ENC(b) stochastic ? &encode_block<b, true> : &encode_block<b, false>
   switch (bits) {
-    case 1: return DDPC_ENC(1);
-    case 2: return DDPC_ENC(2);
-    case 4: return DDPC_ENC(4);
-    default: return DDPC_ENC(8);
+    case 1:
+      return DDPC_ENC(1);
+    case 2:
+      return DDPC_ENC(2);
+    case 4:
+      return DDPC_ENC(4);
+    default:
+      return DDPC_ENC(8);
   }
 #undef DDPC_ENC
 }
@@ -113,10 +117,14 @@ using AccumulateFn = void (*)(const uint8_t*, int64_t, float*, uint8_t*);
 
 AccumulateFn pick_accumulator(int bits) {
   switch (bits) {
-    case 1: return &accumulate_record<1>;
-    case 2: return &accumulate_record<2>;
-    case 4: return &accumulate_record<4>;
-    default: return &accumulate_record<8>;
+    case 1:
+      return &accumulate_record<1>;
+    case 2:
+      return &accumulate_record<2>;
+    case 4:
+      return &accumulate_record<4>;
+    default:
+      return &accumulate_record<8>;
   }
 }
 
@@ -128,8 +136,8 @@ struct Scratch {
 };
 
 void quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                       const at::Tensor& packed, int64_t bits, int64_t block_size,
-                       bool stochastic, int64_t seed, int64_t step, int64_t rng_offset) {
+                       const at::Tensor& packed, int64_t bits, int64_t block_size, bool stochastic,
+                       int64_t seed, int64_t step, int64_t rng_offset) {
   check_quantize_args(x, residual, bits, block_size, "quantize");
   const int64_t n = x.numel();
   check_out(packed, at::kByte, payload_bytes(n, block_size, (int)bits), x.device(), "quantize");
@@ -165,8 +173,8 @@ at::Tensor quantize_cpu(const at::Tensor& x, const std::optional<at::Tensor>& re
                         int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
                         int64_t step, int64_t rng_offset) {
   check_bits_block(bits, block_size, "quantize");
-  auto packed = at::empty({payload_bytes(x.numel(), block_size, (int)bits)},
-                          x.options().dtype(at::kByte));
+  auto packed =
+      at::empty({payload_bytes(x.numel(), block_size, (int)bits)}, x.options().dtype(at::kByte));
   quantize_into_cpu(x, residual, packed, bits, block_size, stochastic, seed, step, rng_offset);
   return packed;
 }
@@ -196,8 +204,8 @@ void dequantize_into_cpu(const at::Tensor& packed, const at::Tensor& result, int
   });
 }
 
-at::Tensor dequantize_cpu(const at::Tensor& packed, int64_t numel, int64_t bits,
-                          int64_t block_size, at::ScalarType dtype) {
+at::Tensor dequantize_cpu(const at::Tensor& packed, int64_t numel, int64_t bits, int64_t block_size,
+                          at::ScalarType dtype) {
   check_payloads(packed, 1, numel, bits, block_size, dtype, "dequantize");
   auto result = at::empty({numel}, packed.options().dtype(dtype));
   dequantize_into_cpu(packed, result, bits, block_size);
@@ -222,7 +230,7 @@ void dequantize_sum_into_cpu(const at::Tensor& payloads, const at::Tensor& resul
   const int64_t B = block_size, nb = num_blocks(numel, B), rec = record_bytes(B, (int)bits);
   const int64_t rows = pc.size(0), row_bytes = pc.size(1);
   const uint8_t* in = pc.data_ptr<uint8_t>();
-    const float div = (float)divisor;
+  const float div = (float)divisor;
   const AccumulateFn accumulate = pick_accumulator((int)bits);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "dequantize_sum", [&] {
     scalar_t* op = result.data_ptr<scalar_t>();
@@ -247,10 +255,10 @@ at::Tensor dequantize_sum_cpu(const at::Tensor& payloads, int64_t numel, int64_t
 }
 
 at::Tensor dequantize_sum_requantize_cpu(const at::Tensor& payloads,
-                                         const std::optional<at::Tensor>& residual,
-                                         int64_t numel, int64_t bits, int64_t block_size,
-                                         int64_t divisor, bool stochastic, int64_t seed,
-                                         int64_t step, int64_t rng_offset) {
+                                         const std::optional<at::Tensor>& residual, int64_t numel,
+                                         int64_t bits, int64_t block_size, int64_t divisor,
+                                         bool stochastic, int64_t seed, int64_t step,
+                                         int64_t rng_offset) {
   check_payloads(payloads, 2, numel, bits, block_size, at::kFloat, "dequantize_sum_requantize");
   check_residual(residual, numel, payloads.device(), "dequantize_sum_requantize");
   TORCH_CHECK(divisor >= 1, "dequantize_sum_requantize: divisor must be >= 1, got ", divisor);
@@ -262,7 +270,7 @@ at::Tensor dequantize_sum_requantize_cpu(const at::Tensor& payloads,
   uint8_t* out = packed.data_ptr<uint8_t>();
   float* res = residual ? residual->data_ptr<float>() : nullptr;
   const EncodeFn encode = pick_encoder((int)bits, stochastic);
-    const uint64_t key = rng_key((uint64_t)seed, (uint64_t)step);
+  const uint64_t key = rng_key((uint64_t)seed, (uint64_t)step);
   const float div = (float)divisor;
   const AccumulateFn accumulate = pick_accumulator((int)bits);
   at::parallel_for(0, nb, grain_blocks(B), [&](int64_t b0, int64_t b1) {
