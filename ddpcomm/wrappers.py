@@ -165,7 +165,9 @@ def _group_by_dtype(tensors, compressor: Compressor, op) -> dict[torch.dtype, li
                 f"tensors[{i}] is on {t.device} but tensors[0] is on {device}; "
                 "all_reduce_coalesced takes tensors on one device (call it once per device)"
             )
-        members.append(t)
+        # Reducing values is not differentiable (dist.all_reduce ignores autograd too);
+        # a detached alias lets parameters that require grad be written in place.
+        members.append(t.detach() if t.requires_grad else t)
     return groups
 
 
@@ -334,7 +336,10 @@ def all_reduce(
     if not isinstance(async_op, bool):
         raise TypeError(f"async_op must be a bool, got {async_op!r}")
 
-    view = _memory_order_view(tensor)
+    # Reducing values is not differentiable (dist.all_reduce ignores autograd too); a
+    # detached alias lets a parameter that requires grad be reduced in place.
+    target = tensor.detach() if tensor.requires_grad else tensor
+    view = _memory_order_view(target)
     if not compressor.lossy and rop != "mean" and view is not None:
         # Exactly dist.all_reduce: no copy, no callback.
         work = dist.all_reduce(
@@ -346,13 +351,13 @@ def all_reduce(
     if compressor.lossy and tensor.numel() == 0:
         return _completed([tensor]) if async_op else None
 
-    flat = view if view is not None else ops.flatten([tensor])
+    flat = view if view is not None else ops.flatten([target])
     if compressor.lossy:
         _verify_once(pg, compressor, flat.numel(), flat.device)
 
     def write(out: torch.Tensor) -> None:
         if view is None:
-            ops.unflatten_into(out, [tensor])
+            ops.unflatten_into(out, [target])
         elif out.data_ptr() != view.data_ptr():
             view.copy_(out)
 

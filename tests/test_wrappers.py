@@ -332,6 +332,32 @@ def _check_hook_parity(rank, world):
         assert torch.equal(p.grad, g) if world <= 2 else torch.allclose(p.grad, g)
 
 
+def _check_parameters(rank, world):
+    """Parameters that require grad are reduced in place (as dist.all_reduce does), with
+    or without compression, sync or async, and keep requiring grad."""
+    import ddpcomm
+
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(3, 2)
+    for spec in ("none", "q8"):
+        for async_op in (False, True):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float(rank + 1))
+            params = list(model.parameters())
+            # Constant blocks on every rank: exact under q8 too.
+            handle = ddpcomm.all_reduce_coalesced(params, spec, op="sum", async_op=async_op)
+            if async_op:
+                handle.wait()
+            handle = ddpcomm.all_reduce(model.weight, spec, async_op=async_op)  # mean
+            if async_op:
+                handle.wait()
+            total = world * (world + 1) / 2
+            assert torch.equal(model.bias, torch.full((2,), total)), spec
+            assert torch.equal(model.weight, torch.full((2, 3), total)), spec
+            assert all(p.requires_grad and p.is_leaf for p in params)
+
+
 def _run_docstrings(rank, world):
     import ddpcomm
 
@@ -343,6 +369,7 @@ def _run_docstrings(rank, world):
 def _misc_body(rank, world):
     _check_bad_inputs(rank, world)
     _check_hook_parity(rank, world)
+    _check_parameters(rank, world)
     _run_docstrings(rank, world)
 
 
