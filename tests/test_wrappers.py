@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ddpcomm import build_info
 from tests.dist_utils import run_ranks
 
 WORLDS = [1, 2, 3, 4]
@@ -382,3 +383,36 @@ def test_needs_an_initialized_group():
 
     with pytest.raises(RuntimeError, match="init_process_group"):
         ddpcomm.all_reduce(torch.ones(2))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not build_info()["cuda"],
+    reason="needs a GPU and ddpcomm built with its CUDA ops",
+)
+def test_nccl_single_rank(tmp_path):
+    """The NCCL path with CUDA tensors; one rank, so every reduction is the identity."""
+    import ddpcomm
+
+    dist.init_process_group(
+        "nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        t = torch.randn(1000, device="cuda", generator=g)
+        ref = t.clone()
+        ddpcomm.all_reduce(t, op="sum")
+        assert torch.equal(t, ref)
+        tensors = [
+            torch.randn(3, 4, device="cuda", generator=g),
+            torch.randn(5, device="cuda", generator=g).half(),
+            torch.randn(6, 7, device="cuda", generator=g).t(),
+        ]
+        refs = [x.clone() for x in tensors]
+        handle = ddpcomm.all_reduce_coalesced(tensors, async_op=True)  # mean of one rank
+        assert handle.wait() and handle.get_future().value() == tensors
+        assert all(torch.equal(a, b) for a, b in zip(tensors, refs, strict=True))
+        c = torch.full((3000,), 0.5, device="cuda")
+        ddpcomm.all_reduce_coalesced([c], compression="q8")
+        assert torch.equal(c, torch.full_like(c, 0.5))
+    finally:
+        dist.destroy_process_group()
