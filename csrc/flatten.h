@@ -21,7 +21,9 @@
 namespace ddpcomm {
 
 // A tensor the kernels may treat as one run of numel * itemsize bytes at data_ptr().
-// Conjugate / negative views are contiguous but their bytes are not their values.
+// Conjugate / negative views are contiguous but their bytes are not their values. (Called
+// through the dispatcher, torch's conjugate and negative fallbacks already resolve such
+// inputs and refuse such destinations; direct C++ callers get the strided path.)
 inline bool is_byte_copyable(const at::Tensor& t) {
   return t.is_contiguous() && !t.is_conj() && !t.is_neg();
 }

@@ -115,6 +115,14 @@ def test_flatten_resolves_conjugate_and_negative_views():
     assert _bits_equal(ops.flatten(views), reference.flatten(views))
 
 
+def test_conjugate_destinations_are_refused_by_torch():
+    # torch's conjugate fallback runs before any kernel and refuses mutable conj lists.
+    d = torch.zeros(2, dtype=torch.complex64).conj()
+    with pytest.raises(RuntimeError, match="materialize"):
+        ops.unflatten_into(torch.ones(2, dtype=torch.complex64), [d])
+    assert torch.equal(d, torch.zeros(2, dtype=torch.complex64))
+
+
 def test_flatten_empty_list_into_empty_out():
     out = torch.empty(0, dtype=torch.float16)
     assert ops.flatten([], out=out) is out
