@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "../checks.h"
@@ -63,10 +64,14 @@ void encode_block(const float* e, int64_t valid, int64_t B, uint8_t* record, flo
   constexpr int per_byte = 8 / kBits;
   uint8_t* out = record + kScaleBytes;
   const int64_t nbytes = code_bytes_per_block(B, kBits);
-  for (int64_t k = 0; k < nbytes; ++k) {
-    uint32_t byte = 0;
-    for (int t = 0; t < per_byte; ++t) byte |= (uint32_t)codes[k * per_byte + t] << (t * kBits);
-    out[k] = (uint8_t)byte;
+  if (kBits == 8) {
+    std::memcpy(out, codes, static_cast<size_t>(nbytes));
+  } else {
+    for (int64_t k = 0; k < nbytes; ++k) {
+      uint32_t byte = 0;
+      for (int t = 0; t < per_byte; ++t) byte |= (uint32_t)codes[k * per_byte + t] << (t * kBits);
+      out[k] = (uint8_t)byte;
+    }
   }
   if (deq != nullptr) {
     for (int64_t j = 0; j < valid; ++j) {
@@ -154,13 +159,18 @@ void quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& res
       Scratch s(B);
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t start = blk * B, valid = std::min(B, n - start);
-        for (int64_t j = 0; j < valid; ++j) s.e[j] = static_cast<float>(xp[start + j]);
-        if (res != nullptr) {
-          for (int64_t j = 0; j < valid; ++j) s.e[j] = s.e[j] + res[start + j];
+        const float* e = s.e.data();
+        if (std::is_same_v<scalar_t, float> && res == nullptr && valid == B) {
+          e = reinterpret_cast<const float*>(xp + start);  // full fp32 block: no staging
+        } else {
+          for (int64_t j = 0; j < valid; ++j) s.e[j] = static_cast<float>(xp[start + j]);
+          if (res != nullptr) {
+            for (int64_t j = 0; j < valid; ++j) s.e[j] = s.e[j] + res[start + j];
+          }
+          std::fill(s.e.begin() + valid, s.e.end(), 0.0f);
         }
-        std::fill(s.e.begin() + valid, s.e.end(), 0.0f);
-        encode(s.e.data(), valid, B, out + blk * rec, res ? s.deq.data() : nullptr, key,
-               rng_offset + start, s.tree.data(), s.codes.data());
+        encode(e, valid, B, out + blk * rec, res ? s.deq.data() : nullptr, key, rng_offset + start,
+               s.tree.data(), s.codes.data());
         if (res != nullptr) {
           for (int64_t j = 0; j < valid; ++j) res[start + j] = s.e[j] - s.deq[j];
         }
