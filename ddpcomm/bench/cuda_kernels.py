@@ -1,12 +1,14 @@
 """CUDA kernel throughput: GB/s of bytes touched, against a device copy and the reference.
 
-For every op and size, three numbers are measured side by side in one run on one device:
+For every op and size, these are measured side by side in one run on one device:
 
 - the native op (``ddpcomm.ops``),
 - a device-to-device copy that touches the same number of bytes (half read, half
   written): the memory-bandwidth limit the op is judged against,
 - the pure-torch reference (``ddpcomm.reference``), run on the GPU by making CUDA the
-  default device for its factory calls.
+  default device for its factory calls,
+- where torch has its own way to do the job, that too (flatten / unflatten:
+  ``torch._utils._flatten_dense_tensors`` and its unflatten + copy loop).
 
 Timing: CUDA events around each call, after warm-up, median of many calls. The GPU is
 first given a spin kernel (``torch.cuda._sleep``) so the calls queue up behind it and the
@@ -29,8 +31,8 @@ import torch
 from ddpcomm import ops as native
 from ddpcomm import reference
 
-# op name -> what one call reads and writes. Each name takes a ":q<bits>" suffix.
-OPS = [
+# Quantizer ops take a ":q<bits>" suffix; flatten / unflatten a ":<tensors>" count.
+QUANT_OPS = [
     "quantize",
     "quantize_ef",
     "quantize_stochastic",
@@ -38,6 +40,8 @@ OPS = [
     "dequantize_sum",
     "dequantize_sum_requantize",
 ]
+FLATTEN_OPS = ["flatten", "unflatten"]
+OPS = QUANT_OPS + FLATTEN_OPS
 DEFAULT_OPS = [
     "quantize:q8",
     "quantize_ef:q8",
@@ -47,18 +51,25 @@ DEFAULT_OPS = [
     "dequantize:q8",
     "dequantize_sum:q8",
     "dequantize_sum_requantize:q8",
+    "flatten:1000",
+    "unflatten:1000",
 ]
 DEFAULT_SIZES_MB = [4, 16, 64, 256, 1024]
 
 
-def _parse(spec: str) -> tuple[str, int]:
-    name, _, q = spec.partition(":")
-    if name not in OPS or not (q.startswith("q") and q[1:] in ("1", "2", "4", "8")):
-        raise ValueError(
-            f"ops: unknown op {spec!r}; expected <op>:q<bits> with op in {OPS} and bits in "
-            "1, 2, 4, 8 (for example 'quantize_ef:q8')"
-        )
-    return name, int(q[1:])
+def _parse(spec: str) -> tuple[str, float]:
+    name, _, arg = spec.partition(":")
+    try:
+        if name in QUANT_OPS and arg in ("q1", "q2", "q4", "q8"):
+            return name, int(arg[1:])
+        if name in FLATTEN_OPS and int(arg) >= 1:
+            return name, int(arg)
+    except ValueError:
+        pass
+    raise ValueError(
+        f"ops: unknown op {spec!r}; expected <op>:q<bits> for {QUANT_OPS} (bits 1, 2, 4, 8), "
+        f"<op>:<tensors> for {FLATTEN_OPS}"
+    )
 
 
 class _Case:
@@ -90,6 +101,9 @@ class _Case:
         res = torch.zeros_like(x) if self.name == "dequantize_sum_requantize" else None
         return {"p": p.expand(n_rows, -1).contiguous(), "res": res}
 
+    def torch_call(self, inp: dict):
+        return None
+
     def call(self, impl, inp: dict) -> None:
         b, B, n = self.bits, self.block, self.numel
         if self.name == "quantize":
@@ -104,6 +118,49 @@ class _Case:
             impl.dequantize_sum(inp["p"], n, b, B, self.rows, torch.float32)
         else:
             impl.dequantize_sum_requantize(inp["p"], inp["res"], n, b, B, self.rows)
+
+
+class _FlattenCase:
+    """flatten / unflatten_into of `count` tensors totalling the size; torch's baseline is
+    torch._utils._flatten_dense_tensors (one torch.cat) / its unflatten + copy_ loop."""
+
+    def __init__(self, name: str, count: int, numel: int, device):
+        self.name, self.count, self.device, self.block = name, count, device, 0
+        sizes = [numel // count + (1 if i < numel % count else 0) for i in range(count)]
+        self.sizes = [s for s in sizes if s > 0]
+        self.numel = sum(self.sizes)
+        self.bytes = 2 * 4 * self.numel
+
+    def make_inputs(self, seed: int) -> dict:
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        flat = torch.randn(self.numel, device=self.device, generator=g)
+        return {"tensors": [t.clone() for t in flat.split(self.sizes)], "flat": flat}
+
+    def call(self, impl, inp: dict) -> None:
+        if self.name == "flatten":
+            impl.flatten(inp["tensors"])
+        else:
+            impl.unflatten_into(inp["flat"], inp["tensors"])
+
+    def torch_call(self, inp: dict):
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        if self.name == "flatten":
+            return lambda: _flatten_dense_tensors(inp["tensors"])
+
+        def unflatten():
+            for t, piece in zip(
+                inp["tensors"], _unflatten_dense_tensors(inp["flat"], inp["tensors"]), strict=True
+            ):
+                t.copy_(piece)
+
+        return unflatten
+
+
+def _make_case(name: str, arg, numel: int, block: int, rows: int, device):
+    if name in QUANT_OPS:
+        return _Case(name, arg, numel, block, rows, device)
+    return _FlattenCase(name, arg, numel, device)
 
 
 def _time_ms(fn: Callable[[int], None], n_inputs: int, warmup: int, iters: int) -> float:
@@ -164,10 +221,10 @@ def run(
     results = []
     for size in sizes_mb:
         numel = size * (1 << 20) // 4
-        for name, bits in specs:
-            case = _Case(name, bits, numel, block_size, rows, device)
+        for (name, arg), spec in zip(specs, ops or DEFAULT_OPS, strict=True):
+            case = _make_case(name, arg, numel, block_size, rows, device)
             row = _measure(case, l2, warmup, iters, reference_iters)
-            row.update(device=props.name, op=f"{name}:q{bits}", size_mb=size)
+            row.update(device=props.name, op=spec, size_mb=size)
             results.append(row)
     return results
 
@@ -176,6 +233,11 @@ def _measure(case: _Case, l2: int, warmup: int, iters: int, reference_iters: int
     n_inputs = max(2, min(64, math.ceil(4 * l2 / case.bytes)))
     inputs = [case.make_inputs(seed) for seed in range(n_inputs)]
     op_ms = _time_ms(lambda i: case.call(_native, inputs[i]), n_inputs, warmup, iters)
+
+    torch_ms = float("nan")
+    if case.torch_call(inputs[0]) is not None:
+        calls = [case.torch_call(inp) for inp in inputs]
+        torch_ms = _time_ms(lambda i: calls[i](), n_inputs, warmup, iters)
 
     ref_ms = float("nan")
     if reference_iters > 0:
@@ -204,21 +266,14 @@ def _measure(case: _Case, l2: int, warmup: int, iters: int, reference_iters: int
         "ref_us": ref_ms * 1e3,
         "ref_gbps": _gbps(case.bytes, ref_ms),
         "x_ref": ref_ms / op_ms,
+        "torch_us": torch_ms * 1e3,
+        "x_torch": torch_ms / op_ms,
     }
     row["pct_copy"] = 100.0 * row["gbps"] / row["copy_gbps"]
     return row
 
 
-class _Native:
-    """ddpcomm.ops under the names reference.py uses."""
-
-    quantize = staticmethod(native.quantize)
-    dequantize = staticmethod(native.dequantize)
-    dequantize_sum = staticmethod(native.dequantize_sum)
-    dequantize_sum_requantize = staticmethod(native.dequantize_sum_requantize)
-
-
-_native = _Native()
+_native = native  # ddpcomm.ops and reference.py share the op names and signatures
 
 
 def print_table(rows: list[dict]) -> None:
@@ -232,7 +287,7 @@ def print_table(rows: list[dict]) -> None:
     )
     head = (
         f"{'op':<30}{'MB':>6}{'us':>11}{'GB/s':>9}{'copy GB/s':>11}{'% copy':>8}"
-        f"{'ref us':>12}{'x ref':>8}"
+        f"{'ref us':>12}{'x ref':>8}{'torch us':>11}{'x torch':>9}"
     )
     print(head)
     print("-" * len(head))
@@ -240,4 +295,5 @@ def print_table(rows: list[dict]) -> None:
         print(
             f"{r['op']:<30}{r['size_mb']:>6}{r['us']:>11.1f}{r['gbps']:>9.0f}"
             f"{r['copy_gbps']:>11.0f}{r['pct_copy']:>7.1f}%{r['ref_us']:>12.1f}{r['x_ref']:>8.1f}"
+            f"{r['torch_us']:>11.1f}{r['x_torch']:>9.1f}"
         )
