@@ -131,3 +131,26 @@ def test_quantize_hook_with_cuda_model_on_gloo():
         assert identical, f"{name}: replicas differ"
         # Same bounds as tests/test_hooks.py's CPU parity (20 steps here, not 50).
         assert 0 < rel < (0.01 if name != "q4ef" else 0.05), (name, rel)
+
+
+def check_wrappers(rank, world):
+    # all_reduce_coalesced flattens with the native flatten ops (CUDA ones here): CUDA
+    # tensors must end bitwise where the same call leaves CPU tensors.
+    torch.cuda.set_device(0)
+    g = torch.Generator().manual_seed(rank)
+    shapes = [(3, 5), (1000,), (7, 11, 13), (1,), (4097,)]
+    bad = []
+    for compression in ("none", "q8", "q4", "fp16"):
+        cpu = [torch.randn(s, generator=g) for s in shapes]
+        cpu.append(torch.randn(9, 6, generator=g).t())  # a strided entry
+        gpu = [t.cuda() for t in cpu]
+        ddpcomm.all_reduce_coalesced(cpu, compression=compression)
+        ddpcomm.all_reduce_coalesced(gpu, compression=compression)
+        if not all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu, strict=True)):
+            bad.append(compression)
+    return bad
+
+
+def test_all_reduce_coalesced_with_cuda_tensors_on_gloo():
+    for rank, bad in enumerate(run_ranks(check_wrappers, 2)):
+        assert bad == [], f"rank {rank}: CUDA differs from CPU for {bad}"
