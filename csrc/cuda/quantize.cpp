@@ -1,7 +1,7 @@
 // CUDA implementations of the quantizer ops (and their _into out-variants): the torch side
-// only. Arguments are checked
-// exactly as on CPU (csrc/checks.h), outputs allocated here, and the kernels in
-// quantize_kernels.cu launched on the current stream of the input's device.
+// only. Arguments are checked exactly as on CPU (csrc/checks.h), outputs allocated here,
+// and the kernels in quantize_kernels.cu launched on the current stream of the input's
+// device.
 //
 // The stream comes from c10/cuda/CUDAStream.h (at::cuda::getCurrentCUDAStream is the same
 // function re-exported): ATen/cuda/CUDAContext.h would also pull in cuBLAS and cuSPARSE
