@@ -12,7 +12,8 @@ TORCH_LIBRARY(ddpcomm, m) {
   m.def(
       "quantize(Tensor x, Tensor(a!)? residual, int bits, int block_size, bool stochastic=False, "
       "int seed=0, int step=0, int rng_offset=0) -> Tensor");
-  m.def("dequantize(Tensor packed, int numel, int bits, int block_size, ScalarType dtype) -> Tensor");
+  m.def(
+      "dequantize(Tensor packed, int numel, int bits, int block_size, ScalarType dtype) -> Tensor");
   m.def(
       "dequantize_sum(Tensor payloads, int numel, int bits, int block_size, int divisor, "
       "ScalarType dtype) -> Tensor");
@@ -20,6 +21,21 @@ TORCH_LIBRARY(ddpcomm, m) {
       "dequantize_sum_requantize(Tensor payloads, Tensor(a!)? residual, int numel, int bits, "
       "int block_size, int divisor, bool stochastic=False, int seed=0, int step=0, "
       "int rng_offset=0) -> Tensor");
+
+  // Sparsification family (top-k, random-k). Payload layout and selection order:
+  // csrc/numerics.h, "Sparsification".
+  m.def(
+      "topk_compress(Tensor x, Tensor(a!)? residual, int k, bool approximate=False, int seed=0, "
+      "int step=0, ScalarType? value_dtype=None) -> Tensor");
+  m.def(
+      "sparse_accumulate(Tensor payloads, int numel, int k, int divisor, ScalarType value_dtype, "
+      "ScalarType dtype) -> Tensor");
+  m.def(
+      "randk_compress(Tensor x, Tensor(a!)? residual, int k, int seed, int step, int bucket) "
+      "-> Tensor");
+  m.def(
+      "randk_decompress(Tensor values, int numel, int seed, int step, int bucket, int divisor, "
+      "ScalarType dtype) -> Tensor");
 }
 
 namespace {

@@ -1,0 +1,404 @@
+// CPU implementations of the sparsification ops: topk_compress, sparse_accumulate,
+// randk_compress, randk_decompress. Selection order, sampling, random-k strata and the
+// payload layout come from csrc/numerics.h; ddpcomm/reference.py states the semantics.
+//
+// topk_compress avoids both a full sort and a full histogram in the common case:
+//   1. a random sample of 16K magnitudes gives a threshold expected to keep a little more
+//      than k entries (exact mode) or about k (approximate mode);
+//   2. one fused pass over the bucket adds the residual, stores e back into it and keeps
+//      every entry at or above the threshold as a candidate (per chunk, in index order);
+//   3. the k winners are picked among the candidates only (nth_element on their keys,
+//      ties by lower index) and written in ascending index order with the residual update.
+// When the sample misjudged and fewer than k entries passed, exact mode finds a safe
+// threshold from a 32768-bin histogram of the keys (one more pass) and repeats step 2-3 on
+// e, so its result never depends on the sample; approximate mode never makes that pass and
+// fills up with the lowest-index entries that missed the threshold.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <functional>
+#include <vector>
+
+#include "../checks.h"
+#include "../numerics.h"
+
+namespace ddpcomm {
+namespace {
+
+// Elements per parallel task of the scan, and per inner block whose hit count is taken
+// before any candidate is stored (keeps the hot loop branch-free and vectorizable).
+constexpr int64_t kChunk = 1 << 16;
+constexpr int64_t kBlock = 256;
+
+int64_t num_chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
+
+// One chunk's candidates, in index order: the raw bits of e (value and key in one word).
+struct Candidates {
+  std::vector<uint32_t> bits;
+  std::vector<int32_t> index;
+};
+
+// Scans e over [0, n) and keeps entries with magnitude_key(e) >= thr. e = x + res when
+// kFuse (and e is stored back into res), else e = x.
+template <typename T, bool kFuse>
+void collect(const T* x, float* res, int64_t n, uint32_t thr, std::vector<Candidates>& out) {
+  at::parallel_for(0, num_chunks(n), 1, [&](int64_t c0, int64_t c1) {
+    float e[kBlock];
+    for (int64_t c = c0; c < c1; ++c) {
+      Candidates& cand = out[c];
+      cand.bits.clear();
+      cand.index.clear();
+      const int64_t end = std::min(n, (c + 1) * kChunk);
+      for (int64_t b = c * kChunk; b < end; b += kBlock) {
+        const int64_t len = std::min(kBlock, end - b);
+        int32_t hits = 0;
+        for (int64_t j = 0; j < len; ++j) {
+          float v = static_cast<float>(x[b + j]);
+          if (kFuse) {
+            v = v + res[b + j];
+            res[b + j] = v;
+          }
+          e[j] = v;
+          hits += magnitude_key(v) >= thr ? 1 : 0;
+        }
+        if (hits == 0) continue;
+        for (int64_t j = 0; j < len; ++j) {
+          if (magnitude_key(e[j]) >= thr) {
+            cand.bits.push_back(float_bits(e[j]));
+            cand.index.push_back((int32_t)(b + j));
+          }
+        }
+      }
+    }
+  });
+}
+
+// Key of the sample entry at `rank` in descending order, or 0 ("keep everything") when
+// the rank falls past the sample. e is read as x (+ res) before the fused pass.
+template <typename T>
+uint32_t sample_threshold(const T* x, const float* res, int64_t n, int64_t rank, uint64_t key) {
+  const int64_t samples = topk_sample_count(n);
+  if (rank >= samples) return 0;
+  std::vector<uint32_t> keys(samples);
+  for (int64_t j = 0; j < samples; ++j) {
+    const int64_t i = topk_sample_index(key, j, n);
+    float v = static_cast<float>(x[i]);
+    if (res != nullptr) v = v + res[i];
+    keys[j] = magnitude_key(v);
+  }
+  std::nth_element(keys.begin(), keys.begin() + rank, keys.end(), std::greater<uint32_t>());
+  return keys[rank];
+}
+
+// Largest threshold of the form bin << 16 that keeps at least k entries of e, from a
+// histogram of key >> 16 (32768 bins: keys have 31 bits). Exact mode's fallback.
+template <typename T>
+uint32_t histogram_threshold(const T* e, int64_t n, int64_t k) {
+  constexpr int64_t kBins = 1 << 15;
+  const int64_t parts =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_chunks(n)));
+  std::vector<std::vector<int64_t>> hist(parts);
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      std::vector<int64_t>& h = hist[p];
+      h.assign(kBins, 0);
+      for (int64_t i = p * n / parts; i < (p + 1) * n / parts; ++i) {
+        h[magnitude_key(static_cast<float>(e[i])) >> 16] += 1;
+      }
+    }
+  });
+  int64_t kept = 0;
+  for (int64_t bin = kBins - 1; bin > 0; --bin) {
+    for (int64_t p = 0; p < parts; ++p) kept += hist[p][bin];
+    if (kept >= k) return (uint32_t)bin << 16;
+  }
+  return 0;
+}
+
+// Writes entry o of the payload (index i, value e cast to the value dtype) and, with error
+// feedback, leaves in the residual what the cast lost (0 for float32 values).
+struct PayloadWriter {
+  int32_t* index;
+  uint8_t* values;
+  at::ScalarType vtype;
+  float* res;
+
+  void put(int64_t o, int64_t i, float e) const {
+    index[o] = (int32_t)i;
+    float sent = e;
+    if (vtype == at::kHalf) {
+      const c10::Half h(e);
+      reinterpret_cast<c10::Half*>(values)[o] = h;
+      sent = static_cast<float>(h);
+    } else if (vtype == at::kBFloat16) {
+      const c10::BFloat16 h(e);
+      reinterpret_cast<c10::BFloat16*>(values)[o] = h;
+      sent = static_cast<float>(h);
+    } else {
+      reinterpret_cast<float*>(values)[o] = e;
+    }
+    if (res != nullptr) res[i] = e - sent;
+  }
+};
+
+int64_t total_candidates(const std::vector<Candidates>& cands) {
+  int64_t c = 0;
+  for (const Candidates& cd : cands) c += (int64_t)cd.index.size();
+  return c;
+}
+
+// Writes the k best candidates (numerics.h order) in ascending index order. Requires at
+// least k candidates; the k-th largest key T splits them into sure winners (key > T) and
+// ties (key == T), of which the lowest-index ones fill the remaining places.
+void emit_best(const std::vector<Candidates>& cands, int64_t k, const PayloadWriter& w) {
+  const int64_t nc = (int64_t)cands.size();
+  std::vector<int64_t> offset(nc + 1, 0);
+  for (int64_t c = 0; c < nc; ++c) offset[c + 1] = offset[c] + (int64_t)cands[c].bits.size();
+  std::vector<uint32_t> keys(offset[nc]);
+  at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      for (size_t j = 0; j < cands[c].bits.size(); ++j) {
+        keys[offset[c] + j] = cands[c].bits[j] & 0x7FFFFFFFu;
+      }
+    }
+  });
+  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint32_t>());
+  const uint32_t t = keys[k - 1];
+
+  std::vector<int64_t> above(nc), ties(nc);
+  at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t a = 0, q = 0;
+      for (uint32_t b : cands[c].bits) {
+        const uint32_t kb = b & 0x7FFFFFFFu;
+        a += kb > t;
+        q += kb == t;
+      }
+      above[c] = a;
+      ties[c] = q;
+    }
+  });
+  // Ties go to the lowest indices, so to the earliest chunks first.
+  int64_t tie_budget = k;
+  for (int64_t c = 0; c < nc; ++c) tie_budget -= above[c];
+  std::vector<int64_t> out_at(nc + 1, 0), tie_take(nc);
+  for (int64_t c = 0; c < nc; ++c) {
+    tie_take[c] = std::min(ties[c], tie_budget);
+    tie_budget -= tie_take[c];
+    out_at[c + 1] = out_at[c] + above[c] + tie_take[c];
+  }
+  at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t o = out_at[c], taken = 0;
+      for (size_t j = 0; j < cands[c].bits.size(); ++j) {
+        const uint32_t kb = cands[c].bits[j] & 0x7FFFFFFFu;
+        const bool win = kb > t || (kb == t && taken++ < tie_take[c]);
+        if (win) w.put(o++, cands[c].index[j], bits_float(cands[c].bits[j]));
+      }
+    }
+  });
+}
+
+// Approximate mode with fewer than k candidates: all of them, plus the lowest indices that
+// missed the threshold, merged in ascending order. e(i) gives e at a non-candidate.
+template <typename EFn>
+void emit_padded(const std::vector<Candidates>& cands, int64_t k, const PayloadWriter& w,
+                 const EFn& e_at) {
+  int64_t pads = k - total_candidates(cands), o = 0, i = 0;
+  for (const Candidates& cd : cands) {
+    for (size_t j = 0; j < cd.index.size(); ++j) {
+      for (; i < cd.index[j] && pads > 0; ++i, --pads) w.put(o++, i, e_at(i));
+      w.put(o++, cd.index[j], bits_float(cd.bits[j]));
+      i = cd.index[j] + 1;
+    }
+  }
+  for (; pads > 0; ++i, --pads) w.put(o++, i, e_at(i));
+}
+
+at::Tensor topk_compress_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                             int64_t k, bool approximate, int64_t seed, int64_t step,
+                             std::optional<at::ScalarType> value_dtype) {
+  const char* op = "topk_compress";
+  check_sparse_input(x, residual, k, op);
+  const at::ScalarType vtype = value_dtype.value_or(at::kFloat);
+  check_value_dtype(vtype, op);
+  const int64_t n = x.numel();
+  const at::Tensor xc = x.contiguous();
+  float* res = residual ? residual->data_ptr<float>() : nullptr;
+  auto packed =
+      at::empty({topk_payload_bytes(k, at::elementSize(vtype))}, x.options().dtype(at::kByte));
+  const PayloadWriter w{reinterpret_cast<int32_t*>(packed.data_ptr<uint8_t>()),
+                        packed.data_ptr<uint8_t>() + 4 * k, vtype, res};
+  const uint64_t key = rng_key((uint64_t)seed, (uint64_t)step);
+  const int64_t samples = topk_sample_count(n);
+  const int64_t rank =
+      approximate ? topk_approx_rank(k, n, samples) : topk_exact_rank(k, n, samples);
+  std::vector<Candidates> cands(num_chunks(n));
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "topk_compress", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const uint32_t thr = sample_threshold(xp, res, n, rank, key);
+    if (res != nullptr) {
+      collect<scalar_t, true>(xp, res, n, thr, cands);
+    } else {
+      collect<scalar_t, false>(xp, nullptr, n, thr, cands);
+    }
+    if (total_candidates(cands) >= k) {
+      emit_best(cands, k, w);
+    } else if (approximate) {
+      // res already holds e after the fused pass.
+      emit_padded(cands, k, w,
+                  [&](int64_t i) { return res != nullptr ? res[i] : static_cast<float>(xp[i]); });
+    } else if (res != nullptr) {
+      collect<float, false>(res, nullptr, n, histogram_threshold(res, n, k), cands);
+      emit_best(cands, k, w);
+    } else {
+      collect<scalar_t, false>(xp, nullptr, n, histogram_threshold(xp, n, k), cands);
+      emit_best(cands, k, w);
+    }
+  });
+  return packed;
+}
+
+// Checks that every row's indices are strictly increasing and below numel, so rows can be
+// scattered in parallel without races and never write out of bounds.
+void check_rows(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t k, int64_t numel) {
+  std::vector<int64_t> bad(rows, -1);
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int32_t* idx = reinterpret_cast<const int32_t*>(in + r * row_bytes);
+      int64_t prev = -1;
+      for (int64_t j = 0; j < k; ++j) {
+        if (idx[j] <= prev || idx[j] >= numel) {
+          bad[r] = j;
+          break;
+        }
+        prev = idx[j];
+      }
+    }
+  });
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(bad[r] < 0, "sparse_accumulate: payloads row ", r, " holds index ",
+                reinterpret_cast<const int32_t*>(in + r * row_bytes)[bad[r]], " at position ",
+                bad[r], ": indices must be strictly increasing and in [0, numel=", numel, ")");
+  }
+}
+
+template <typename V>
+void scatter_add_row(const uint8_t* row, int64_t k, float* acc) {
+  const int32_t* idx = reinterpret_cast<const int32_t*>(row);
+  const V* val = reinterpret_cast<const V*>(row + 4 * k);
+  at::parallel_for(0, k, 1 << 14, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) acc[idx[j]] = acc[idx[j]] + static_cast<float>(val[j]);
+  });
+}
+
+at::Tensor sparse_accumulate_cpu(const at::Tensor& payloads, int64_t numel, int64_t k,
+                                 int64_t divisor, at::ScalarType value_dtype,
+                                 at::ScalarType dtype) {
+  const char* op = "sparse_accumulate";
+  check_sparse_payloads(payloads, numel, k, value_dtype, op);
+  check_divisor_dtype(divisor, dtype, op);
+  const at::Tensor pc = payloads.contiguous();
+  const int64_t rows = pc.size(0), row_bytes = pc.size(1);
+  const uint8_t* in = pc.data_ptr<uint8_t>();
+  check_rows(in, rows, row_bytes, k, numel);
+
+  at::Tensor acc = at::zeros({numel}, payloads.options().dtype(at::kFloat));
+  float* ap = acc.data_ptr<float>();
+  // Rank order: row r is added only after row r - 1, so duplicates across ranks sum in
+  // rank order; within a row indices are distinct, so the row scatters in parallel.
+  for (int64_t r = 0; r < rows; ++r) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, value_dtype, "sparse_accumulate",
+                                    [&] { scatter_add_row<scalar_t>(in + r * row_bytes, k, ap); });
+  }
+  if (divisor == 1 && dtype == at::kFloat) return acc;
+  at::Tensor result = at::empty({numel}, acc.options().dtype(dtype));
+  const float div = (float)divisor;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "sparse_accumulate", [&] {
+    scalar_t* op_ = result.data_ptr<scalar_t>();
+    at::parallel_for(0, numel, kChunk, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) op_[i] = static_cast<scalar_t>(ap[i] / div);
+    });
+  });
+  return result;
+}
+
+// Strata per parallel task of the random-k ops: each stratum is a contiguous range of the
+// bucket, so a task owns a contiguous slice and the EF add fuses with the gather.
+int64_t strata_grain(int64_t n, int64_t k) { return std::max<int64_t>(1, k * kChunk / n); }
+
+at::Tensor randk_compress_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                              int64_t k, int64_t seed, int64_t step, int64_t bucket) {
+  const char* op = "randk_compress";
+  check_sparse_input(x, residual, k, op);
+  const int64_t n = x.numel();
+  const at::Tensor xc = x.contiguous();
+  float* res = residual ? residual->data_ptr<float>() : nullptr;
+  at::Tensor values = at::empty({k}, x.options().dtype(at::kFloat));
+  float* vp = values.data_ptr<float>();
+  const uint64_t key = randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "randk_compress", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    at::parallel_for(0, k, strata_grain(n, k), [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t i = randk_index(key, j, n, k);
+        if (res == nullptr) {
+          vp[j] = static_cast<float>(xp[i]);
+          continue;
+        }
+        // Error feedback over the whole stratum: e = x + r, the chosen entry is sent
+        // (r = 0 there), every other entry keeps e for the next step.
+        for (int64_t t = j * n / k; t < (j + 1) * n / k; ++t) {
+          res[t] = static_cast<float>(xp[t]) + res[t];
+        }
+        vp[j] = res[i];
+        res[i] = 0.0f;
+      }
+    });
+  });
+  return values;
+}
+
+at::Tensor randk_decompress_cpu(const at::Tensor& values, int64_t numel, int64_t seed, int64_t step,
+                                int64_t bucket, int64_t divisor, at::ScalarType dtype) {
+  const char* op = "randk_decompress";
+  check_float_tensor(values, "values", op);
+  TORCH_CHECK(values.dim() == 1, op, ": values must be 1-D, got ", values.dim(), " dimensions");
+  const int64_t k = values.numel();
+  check_sparse_numel_k(numel, k, op);
+  check_divisor_dtype(divisor, dtype, op);
+  const at::Tensor vf = values.to(at::kFloat).contiguous();
+  const float* vp = vf.data_ptr<float>();
+  const float div = (float)divisor;
+  const uint64_t key = randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket);
+  at::Tensor out = at::empty({numel}, values.options().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "randk_decompress", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, k, strata_grain(numel, k), [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t lo = j * numel / k, hi = (j + 1) * numel / k;
+        std::fill(o + lo, o + hi, static_cast<scalar_t>(0.0f));
+        o[randk_index(key, j, numel, k)] = static_cast<scalar_t>(vp[j] / div);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ddpcomm, CPU, m) {
+  m.impl("topk_compress", &topk_compress_cpu);
+  m.impl("sparse_accumulate", &sparse_accumulate_cpu);
+  m.impl("randk_compress", &randk_compress_cpu);
+  m.impl("randk_decompress", &randk_decompress_cpu);
+}
+
+}  // namespace ddpcomm
