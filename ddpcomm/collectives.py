@@ -1,0 +1,430 @@
+"""All-reduce algorithms built on torch.distributed collectives.
+
+Every algorithm takes a flat 1-D tensor, returns a ``torch.futures.Future`` of the mean
+over ranks in the tensor's dtype, and gives every rank bitwise the same result. Nothing
+here knows about DDP: hooks.py adapts buckets to these functions.
+
+Collective order. gloo and NCCL pair collectives by the order each rank issues them on a
+process group, while ``Future.then`` callbacks run in whatever order collectives finish,
+which differs across ranks. The two-phase quantized algorithm therefore issues its second
+collective on a companion process group, strictly in the order the first phases were
+issued (a ticket taken when phase 1 is issued), through one ``_Sequencer`` per group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ddpcomm import ops
+from ddpcomm.compressors import (
+    CastCompression,
+    Compressor,
+    NoCompression,
+    Quantizer,
+    dense_bytes,
+)
+
+Future = torch.futures.Future
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single; older releases have only
+# the former. Same collective either way.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# --------------------------------------------------------------------------------------
+# Bookkeeping: stats and per-bucket memory
+# --------------------------------------------------------------------------------------
+
+
+class Stats:
+    """What compression bought: bytes handed to collectives vs a plain all_reduce.
+
+    ``bytes_sent`` counts the bytes this rank puts on the wire, as a ring schedule would
+    send them: 2(N-1)/N*S for an all_reduce of S bytes, (N-1)*S for an all_gather of S
+    bytes per rank, the bytes addressed to other ranks for an all_to_all.
+    ``dense_bytes`` is what a plain all_reduce of the same tensors would have sent. ``compress_seconds`` is host time spent in (de)compression
+    ops (on CUDA, launch time: kernels run asynchronously on the stream).
+    """
+
+    __slots__ = ("bytes_sent", "dense_bytes", "compress_seconds", "calls", "paths", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.bytes_sent = 0
+        self.dense_bytes = 0
+        self.compress_seconds = 0.0
+        self.calls = 0
+        self.paths: Counter[str] = Counter()
+
+    def record(self, path: str, sent: int, dense: int) -> None:
+        with self._lock:
+            self.calls += 1
+            self.bytes_sent += sent
+            self.dense_bytes += dense
+            self.paths[path] += 1
+
+    def add_time(self, seconds: float) -> None:
+        with self._lock:
+            self.compress_seconds += seconds
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            ratio = self.dense_bytes / self.bytes_sent if self.bytes_sent else float("nan")
+            return {
+                "calls": self.calls,
+                "bytes_sent": self.bytes_sent,
+                "dense_bytes": self.dense_bytes,
+                "compression_ratio": ratio,
+                "compress_seconds": self.compress_seconds,
+                "paths": dict(self.paths),
+            }
+
+
+class _Timer:
+    def __init__(self, stats: Stats | None) -> None:
+        self.stats = stats
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.stats is not None:
+            self.stats.add_time(time.perf_counter() - self.t0)
+
+
+class ResidualMemory:
+    """fp32 error-feedback buffers keyed by (kind, bucket key).
+
+    A buffer is handed out zeroed when first asked for, and again whenever the bucket's
+    numel or signature changes: DDP rebuilds its buckets after the first iteration, and a
+    residual laid out for the old bucket would add errors to the wrong parameters.
+    """
+
+    __slots__ = ("buffers", "signatures")
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.signatures: dict[tuple, object] = {}
+
+    def get(self, kind: str, key, numel: int, device, signature=None) -> torch.Tensor:
+        k = (kind, key)
+        buf = self.buffers.get(k)
+        if buf is None or buf.numel() != numel or buf.device != torch.device(device) or (
+            self.signatures.get(k) != signature
+        ):
+            buf = torch.zeros(numel, dtype=torch.float32, device=device)
+            self.buffers[k] = buf
+            self.signatures[k] = signature
+        return buf
+
+    def reset(self, key) -> None:
+        """Zeroes every buffer of one bucket (after a non-finite step)."""
+        for (kind, k), buf in self.buffers.items():
+            if k == key:
+                buf.zero_()
+
+    def state_dict(self) -> dict:
+        return {
+            "buffers": {k: v.detach().cpu().clone() for k, v in self.buffers.items()},
+            "signatures": dict(self.signatures),
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.buffers = {k: v.clone() for k, v in sd["buffers"].items()}
+        self.signatures = dict(sd["signatures"])
+
+
+@dataclass
+class ReduceContext:
+    """Everything an algorithm needs beyond the tensor and the method."""
+
+    group: dist.ProcessGroup | None = None
+    memory: ResidualMemory | None = None
+    key: object = 0
+    step: int = 0
+    signature: object = None
+    stats: Stats = field(default_factory=Stats)
+
+    @property
+    def pg(self) -> dist.ProcessGroup:
+        return self.group if self.group is not None else dist.group.WORLD
+
+    def residual(self, kind: str, numel: int, device) -> torch.Tensor:
+        if self.memory is None:
+            raise ValueError("error feedback needs a ResidualMemory in the ReduceContext")
+        return self.memory.get(kind, self.key, numel, device, self.signature)
+
+
+# --------------------------------------------------------------------------------------
+# Configuration agreement
+# --------------------------------------------------------------------------------------
+
+
+def _fingerprint(config: tuple) -> int:
+    digest = hashlib.sha256(repr(config).encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
+
+
+def verify_config(config: tuple, numel: int, group: dist.ProcessGroup | None, device) -> None:
+    """Raises ValueError on every rank when ranks disagree on ``config`` or ``numel``.
+
+    One small blocking all_gather; callers run it once, at their first compressed step,
+    so a mismatch is a clear error everywhere instead of a hang or silent garbage.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(pg)
+    mine = torch.tensor([_fingerprint(config), numel], dtype=torch.int64, device=device)
+    every = torch.empty(world * 2, dtype=torch.int64, device=device)
+    _all_gather_single(every, mine, group=pg)
+    every = every.view(world, 2).cpu()
+    if not bool((every == every[0]).all()):
+        rows = [f"rank {r}: config {int(every[r, 0]):#x}, numel {int(every[r, 1])}"
+                for r in range(world)]
+        raise ValueError(
+            "ddpcomm: ranks disagree on the compression configuration or bucket size "
+            f"(this rank: {config}, numel {numel}); " + "; ".join(rows)
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Collective-order sequencer for second-phase collectives
+# --------------------------------------------------------------------------------------
+
+
+class _Sequencer:
+    """Issues second-phase collectives on a companion group in ticket order."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        ranks = dist.get_process_group_ranks(group)
+        # Only members call this, at their first two-phase step, in the same order.
+        self.companion = dist.new_group(ranks, use_local_synchronization=True)
+        self._lock = threading.Lock()
+        self._next_ticket = 0
+        self._next_to_run = 0
+        self._ready: dict[int, Callable[[], None]] = {}
+
+    def ticket(self) -> int:
+        """Taken on the issuing thread, right after the first phase is issued."""
+        with self._lock:
+            t = self._next_ticket
+            self._next_ticket += 1
+            return t
+
+    def submit(self, ticket: int, issue: Callable[[], None]) -> None:
+        """Runs ``issue`` once every earlier ticket's has run; never blocks on the network."""
+        with self._lock:
+            self._ready[ticket] = issue
+            while self._next_to_run in self._ready:
+                fn = self._ready.pop(self._next_to_run)
+                self._next_to_run += 1
+                fn()
+
+
+_SEQUENCERS: dict[dist.ProcessGroup, _Sequencer] = {}
+_SEQUENCERS_LOCK = threading.Lock()
+
+
+def _sequencer(group: dist.ProcessGroup) -> _Sequencer:
+    with _SEQUENCERS_LOCK:
+        seq = _SEQUENCERS.get(group)
+        if seq is None:
+            seq = _SEQUENCERS[group] = _Sequencer(group)
+        return seq
+
+
+# --------------------------------------------------------------------------------------
+# Algorithms
+# --------------------------------------------------------------------------------------
+
+_ALGORITHMS: dict[type, Callable[[torch.Tensor, Compressor, ReduceContext], Future]] = {}
+
+
+def register_algorithm(cls: type, fn: Callable[[torch.Tensor, Compressor, ReduceContext], Future]):
+    """Makes ``all_reduce_mean`` run ``fn`` for compressors of class ``cls``."""
+    _ALGORITHMS[cls] = fn
+
+
+def all_reduce_mean(flat: torch.Tensor, compressor: Compressor, ctx: ReduceContext) -> Future:
+    """Mean over the ranks of ``ctx.group`` of the 1-D tensor ``flat``, compressed.
+
+    ``flat`` may be overwritten (it is used as scratch, as DDP's hooks do with the bucket
+    buffer). Returns a Future of a tensor of ``flat``'s dtype and size, bitwise identical
+    on every rank.
+    """
+    if flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError("all_reduce_mean takes a contiguous 1-D tensor")
+    compressor.check_tensor(flat, "tensor")
+    fn = _ALGORITHMS.get(type(compressor))
+    if fn is None:
+        raise TypeError(f"no all-reduce algorithm registered for {type(compressor).__name__}")
+    return fn(flat, compressor, ctx)
+
+
+def _plain(flat: torch.Tensor, _: Compressor, ctx: ReduceContext) -> Future:
+    world = dist.get_world_size(ctx.pg)
+    # Divide first, as DDP does, so fp16 buckets do not overflow in the sum.
+    flat.div_(world)
+    ctx.stats.record("plain", dense_bytes(flat.numel(), world, flat.element_size()),
+                     dense_bytes(flat.numel(), world, flat.element_size()))
+    work = dist.all_reduce(flat, group=ctx.pg, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def plain_all_reduce(flat: torch.Tensor, ctx: ReduceContext) -> Future:
+    """The lossless path: all_reduce of ``flat / N``."""
+    return _plain(flat, NoCompression(), ctx)
+
+
+def _cast(flat: torch.Tensor, c: CastCompression, ctx: ReduceContext) -> Future:
+    world = dist.get_world_size(ctx.pg)
+    with _Timer(ctx.stats):
+        wire = flat.to(c.dtype).div_(world)
+    ctx.stats.record(c.spec, dense_bytes(flat.numel(), world, 2),
+                     dense_bytes(flat.numel(), world, flat.element_size()))
+    work = dist.all_reduce(wire, group=ctx.pg, async_op=True)
+
+    def decode(fut):
+        with _Timer(ctx.stats):
+            return fut.value()[0].to(flat.dtype)
+
+    return work.get_future().then(decode)
+
+
+def _stream_seed(seed: int, key) -> int:
+    """Per-bucket seed, so buckets draw independent stochastic roundings."""
+    k = key if isinstance(key, int) else _fingerprint(("key", key))
+    return (seed * 0x9E3779B1 + (k & 0xFFFFFFFF)) & (2**63 - 1)
+
+
+def _blocks_finite(payload: torch.Tensor, records: int, record_bytes: int) -> bool:
+    """Whether every block magnitude in the first ``records`` records is finite."""
+    if records == 0:
+        return True
+    m = payload[: records * record_bytes].view(records, record_bytes)[:, :4]
+    return bool(torch.isfinite(m.contiguous().view(torch.float32)).all())
+
+
+def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -> Future:
+    pg, n = ctx.pg, flat.numel()
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    residual = ctx.residual("q", n, flat.device) if q.error_feedback else None
+    seed = _stream_seed(q.seed, ctx.key)
+    with _Timer(ctx.stats):
+        packed = ops.quantize(flat, residual, q.bits, q.block_size, q.stochastic, seed,
+                              ctx.step, rank * n)
+    size = packed.numel()
+    gathered = torch.empty(world * size, dtype=torch.uint8, device=flat.device)
+    ctx.stats.record("q_all_gather", (world - 1) * size,
+                     dense_bytes(n, world, flat.element_size()))
+    work = _all_gather_single(gathered, packed, group=pg, async_op=True)
+    records = math.ceil(n / q.block_size)
+    rec = 4 + q.block_size * q.bits // 8
+
+    def decode(fut):
+        fut.wait()
+        with _Timer(ctx.stats):
+            out = ops.dequantize_sum(gathered.view(world, size), n, q.bits, q.block_size,
+                                     world, flat.dtype)
+            # Every rank sees every payload, so all agree on whether the step was finite.
+            if residual is not None and not _blocks_finite(gathered, world * records, rec):
+                ctx.memory.reset(ctx.key)
+        return out
+
+    return work.get_future().then(decode)
+
+
+def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -> Future:
+    pg, n = ctx.pg, flat.numel()
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    bits, block = q.bits, q.block_size
+    chunk = q.chunk_numel(n, world)  # elements per rank, whole blocks
+    rec = 4 + block * bits // 8
+    per_chunk = chunk // block  # records per chunk
+    records = math.ceil(n / block)
+    # Phase 1 sends the payload of the unpadded tensor: the trailing chunks may be short.
+    splits = [(min(records, (i + 1) * per_chunk) - min(records, i * per_chunk)) * rec
+              for i in range(world)]
+    mine = splits[rank]
+    my_numel = max(0, min(n, (rank + 1) * chunk) - rank * chunk)
+    chunk_bytes = per_chunk * rec
+
+    seq = _sequencer(pg)
+    seed = _stream_seed(q.seed, ctx.key)
+    # Disjoint counter ranges for every (rank, phase) so no two roundings share a draw.
+    stride = 2 * world * chunk
+    residual = ctx.residual("q", n, flat.device) if q.error_feedback else None
+    owner_residual = ctx.residual("q_owner", my_numel, flat.device) if q.error_feedback else None
+    with _Timer(ctx.stats):
+        packed = ops.quantize(flat, residual, bits, block, q.stochastic, seed, ctx.step,
+                              rank * stride)
+    received = torch.empty(world * mine, dtype=torch.uint8, device=flat.device)
+    ctx.stats.record("q_two_phase", sum(splits) - mine + (world - 1) * chunk_bytes,
+                     dense_bytes(n, world, flat.element_size()))
+    work = dist.all_to_all_single(received, packed, [mine] * world, splits, group=pg,
+                                  async_op=True)
+    ticket = seq.ticket()
+    result: Future = Future()
+    gathered = torch.empty(world * chunk_bytes, dtype=torch.uint8, device=flat.device)
+
+    def finish(fut):
+        try:
+            fut.wait()
+            with _Timer(ctx.stats):
+                out = ops.dequantize(gathered, n, bits, block, flat.dtype)
+                if q.error_feedback and not _blocks_finite(gathered, world * per_chunk, rec):
+                    ctx.memory.reset(ctx.key)
+            result.set_result(out)
+        except Exception as exc:  # noqa: BLE001 - handed to the waiter, not swallowed
+            result.set_exception(exc)
+
+    def owner_step(fut):
+        send = torch.zeros(chunk_bytes, dtype=torch.uint8, device=flat.device)
+        error = None
+        try:
+            fut.wait()
+            with _Timer(ctx.stats):
+                reduced = ops.dequantize_sum_requantize(
+                    received.view(world, mine), owner_residual, my_numel, bits, block, world,
+                    q.stochastic, seed, ctx.step, rank * stride + world * chunk + rank * chunk)
+            send[: reduced.numel()] = reduced
+        except Exception as exc:  # noqa: BLE001
+            # Still take part in phase 2 so no peer hangs; all-ones bytes make NaN
+            # magnitudes, so every rank's result is non-finite, and this rank raises.
+            send.fill_(0xFF)
+            error = exc
+
+        def issue():
+            w2 = _all_gather_single(gathered, send, group=seq.companion,
+                                             async_op=True)
+            if error is not None:
+                w2.get_future().then(lambda _: result.set_exception(error))
+            else:
+                w2.get_future().then(finish)
+
+        seq.submit(ticket, issue)
+
+    work.get_future().then(owner_step)
+    return result
+
+
+def _quantized(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -> Future:
+    if q.resolve_algorithm(dist.get_world_size(ctx.pg)) == "all_gather":
+        return _quantized_all_gather(flat, q, ctx)
+    return _quantized_two_phase(flat, q, ctx)
+
+
+register_algorithm(NoCompression, _plain)
+register_algorithm(CastCompression, _cast)
+register_algorithm(Quantizer, _quantized)

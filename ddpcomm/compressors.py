@@ -1,0 +1,261 @@
+"""Compression methods: one object per spec string, validated when built.
+
+A spec string names a method everywhere ddpcomm takes one (hooks, ``ddpcomm.all_reduce``,
+the benchmark CLI): ``none``, ``fp16``, ``bf16``, ``q8``, ``q4``, ``q2``, ``q1``,
+``topk:R`` and ``randk:R``. ``parse`` turns a spec plus keyword options into a
+compressor; a compressor object passes through unchanged.
+
+>>> from ddpcomm import compressors
+>>> q = compressors.parse("q4", block_size=128)
+>>> q.bits, q.block_size, q.error_feedback
+(4, 128, False)
+>>> compressors.parse("q1").error_feedback    # on by default at 1 and 2 bits
+True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_float_tensor(t: torch.Tensor, arg: str = "tensor") -> None:
+    """Lossy methods take float32/float16/bfloat16 tensors only."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{arg} has dtype {t.dtype}; lossy compression takes float32, float16 or bfloat16"
+        )
+
+
+def dense_bytes(numel: int, world: int, element_size: int) -> int:
+    """Bytes one rank sends in a ring all_reduce of ``numel`` elements: 2(N-1)/N * size."""
+    return 2 * (world - 1) * numel * element_size // world
+
+
+def _check_bool(value, arg: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{arg} must be a bool, got {value!r}")
+    return value
+
+
+def _check_int(value, arg: str, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{arg} must be an int, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{arg} must be {bound}, got {value}")
+    return value
+
+
+class Compressor:
+    """Base class. ``spec`` names the method; ``lossy`` says whether it changes values."""
+
+    __slots__ = ()
+    spec: str = ""
+    lossy: bool = True
+    error_feedback: bool = False
+
+    def check_tensor(self, t: torch.Tensor, arg: str = "tensor") -> None:
+        check_float_tensor(t, arg)
+
+    def wire_bytes(self, numel: int, world: int) -> int:
+        """Bytes one rank hands to the wire for a bucket of ``numel`` fp32 elements."""
+        raise NotImplementedError
+
+    def config(self) -> tuple:
+        """Everything that must agree across ranks, as a hashable tuple."""
+        return (self.spec,)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__)
+        return f"{type(self).__name__}({fields})"
+
+    def __eq__(self, other) -> bool:
+        return type(self) is type(other) and self.config() == other.config()
+
+    def __hash__(self) -> int:
+        return hash(self.config())
+
+
+class NoCompression(Compressor):
+    """``none``: the plain fp32 all_reduce, lossless."""
+
+    __slots__ = ()
+    spec = "none"
+    lossy = False
+
+    def check_tensor(self, t: torch.Tensor, arg: str = "tensor") -> None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+
+    def wire_bytes(self, numel: int, world: int) -> int:
+        return dense_bytes(numel, world, 4)
+
+
+class CastCompression(Compressor):
+    """``fp16`` / ``bf16``: cast, all_reduce, cast back (as torch's fp16_compress_hook)."""
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+        self.dtype = dtype
+
+    @property
+    def spec(self) -> str:  # type: ignore[override]
+        return "fp16" if self.dtype == torch.float16 else "bf16"
+
+    def wire_bytes(self, numel: int, world: int) -> int:
+        return dense_bytes(numel, world, 2)
+
+    def config(self) -> tuple:
+        return (self.spec,)
+
+
+ALGORITHMS = ("auto", "two_phase", "all_gather")
+
+
+class Quantizer(Compressor):
+    """``q8``/``q4``/``q2``/``q1``: block-wise absmax quantization, packed b-bit codes.
+
+    Args:
+        bits: 8, 4, 2 or 1. ``q1`` sends sign x block mean |x| (signSGD with scale).
+        block_size: elements per scale; a power of two in [32, 65536]. Larger blocks send
+            fewer scale bytes (4 per block) but quantize with a coarser step.
+        stochastic: unbiased stochastic rounding instead of round-to-nearest. Costs one
+            counter-based random draw per element; draws are a function of
+            (seed, step, bucket, rank, element), so runs are reproducible.
+        error_feedback: keep the quantization error and add it to the next step's input.
+            ``None`` means on for 1 and 2 bits (where it is needed to converge), off otherwise.
+        algorithm: ``two_phase`` (all_to_all then all_gather; bytes scale like a ring
+            all_reduce), ``all_gather`` (one all_gather of the whole payload; one
+            quantization fewer, bytes grow with N), or ``auto``: all_gather for N <= 2.
+        seed: seed of the stochastic rounding stream.
+    """
+
+    __slots__ = ("bits", "block_size", "stochastic", "error_feedback", "algorithm", "seed")
+
+    def __init__(
+        self,
+        bits: int = 8,
+        block_size: int = 256,
+        stochastic: bool = False,
+        error_feedback: bool | None = None,
+        algorithm: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        if isinstance(bits, bool) or bits not in (1, 2, 4, 8):
+            raise ValueError(f"bits must be one of 1, 2, 4, 8, got {bits!r}")
+        _check_int(block_size, "block_size", 32, 65536)
+        if block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two in [32, 65536], got {block_size}")
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        if error_feedback is None:
+            error_feedback = bits <= 2
+        self.bits = bits
+        self.block_size = block_size
+        self.stochastic = _check_bool(stochastic, "stochastic")
+        self.error_feedback = _check_bool(error_feedback, "error_feedback")
+        self.algorithm = algorithm
+        self.seed = _check_int(seed, "seed", 0, 2**63 - 1)
+
+    @property
+    def spec(self) -> str:  # type: ignore[override]
+        return f"q{self.bits}"
+
+    def payload_bytes(self, numel: int) -> int:
+        return math.ceil(numel / self.block_size) * (4 + self.block_size * self.bits // 8)
+
+    def resolve_algorithm(self, world: int) -> str:
+        if self.algorithm != "auto":
+            return self.algorithm
+        return "all_gather" if world <= 2 else "two_phase"
+
+    def chunk_numel(self, numel: int, world: int) -> int:
+        """Elements per rank's chunk in the two-phase algorithm: whole blocks."""
+        per_rank = math.ceil(numel / world) if numel else 0
+        return math.ceil(per_rank / self.block_size) * self.block_size
+
+    def wire_bytes(self, numel: int, world: int) -> int:
+        if self.resolve_algorithm(world) == "all_gather":
+            return (world - 1) * self.payload_bytes(numel)
+        chunk_payload = self.payload_bytes(self.chunk_numel(numel, world))
+        return 2 * (world - 1) * chunk_payload
+
+    def config(self) -> tuple:
+        return (self.spec, self.block_size, self.stochastic, self.error_feedback,
+                self.algorithm, self.seed)
+
+
+# Spec prefix -> factory(argument after the colon or None, **options).
+_FACTORIES: dict[str, Callable[..., Compressor]] = {}
+
+
+def register(prefix: str, factory: Callable[..., Compressor]) -> None:
+    """Makes ``parse`` build ``factory(arg, **options)`` for specs ``prefix`` / ``prefix:arg``."""
+    _FACTORIES[prefix] = factory
+
+
+def _no_arg(prefix: str, arg: str | None) -> None:
+    if arg is not None:
+        raise ValueError(f"compression spec {prefix!r} takes no ':' argument, got {arg!r}")
+
+
+def _none(arg, **options):
+    _no_arg("none", arg)
+    if options:
+        raise ValueError(f"compression 'none' takes no options, got {sorted(options)}")
+    return NoCompression()
+
+
+def _cast(dtype):
+    def factory(arg, **options):
+        _no_arg("fp16" if dtype == torch.float16 else "bf16", arg)
+        if options:
+            raise ValueError(f"compression casts take no options, got {sorted(options)}")
+        return CastCompression(dtype)
+
+    return factory
+
+
+def _quantizer(bits):
+    def factory(arg, **options):
+        _no_arg(f"q{bits}", arg)
+        return Quantizer(bits=bits, **options)
+
+    return factory
+
+
+register("none", _none)
+register("fp16", _cast(torch.float16))
+register("bf16", _cast(torch.bfloat16))
+for _bits in (8, 4, 2, 1):
+    register(f"q{_bits}", _quantizer(_bits))
+
+
+def parse(spec: str | Compressor, **options) -> Compressor:
+    """Builds the compressor a spec string names; options go to its constructor.
+
+    Raises ValueError for an unknown spec (listing the known ones) and TypeError for an
+    unknown option.
+    """
+    if isinstance(spec, Compressor):
+        if options:
+            raise ValueError("options cannot be combined with a compressor object")
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"compression must be a spec string or a Compressor, got {spec!r}")
+    prefix, _, arg = spec.strip().partition(":")
+    factory = _FACTORIES.get(prefix.lower())
+    if factory is None:
+        known = ", ".join(sorted(_FACTORIES))
+        raise ValueError(f"unknown compression spec {spec!r}; known methods: {known}")
+    return factory(arg if arg else None, **options)

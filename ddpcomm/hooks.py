@@ -1,0 +1,215 @@
+"""DDP communication hooks and their state.
+
+>>> ddp.register_comm_hook(None, ddpcomm.quantize_hook)                  # q8, defaults
+>>> ddp.register_comm_hook(ddpcomm.QuantizeState(bits=4), ddpcomm.quantize_hook)
+
+DDP checks hook annotations at registration, so this module keeps real (not
+postponed) annotations: ``bucket: dist.GradBucket``, ``-> torch.futures.Future[torch.Tensor]``.
+
+A hook receives one gradient bucket at a time (in bucket index order on every rank) and
+returns a Future of the bucket's mean over ranks. State objects hold the method, the
+per-bucket error-feedback residuals and the statistics; ``state=None`` gives each DDP
+model its own default state, so two models in one process never share buffers.
+"""
+
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from ddpcomm import collectives
+from ddpcomm.collectives import ReduceContext, ResidualMemory, Stats
+from ddpcomm.compressors import Compressor, Quantizer, check_float_tensor
+
+
+def _check_iter(value, arg: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{arg} must be an int >= 0, got {value!r}")
+    return value
+
+
+class CompressionState:
+    """Base state of a compressing hook: the method plus what it remembers.
+
+    Args:
+        compressor: the method, a ``ddpcomm.compressors.Compressor``.
+        start_iter: iterations (backward passes) before this one use a plain all_reduce.
+            Lets DDP settle its bucket layout and the model leave its first, large-gradient
+            steps before compression starts.
+        min_numel: buckets with fewer elements go uncompressed (latency-bound anyway).
+        process_group: the group to reduce over; None means the default group.
+    """
+
+    __slots__ = ("compressor", "start_iter", "min_numel", "process_group", "iteration",
+                 "memory", "_stats", "_verified", "__weakref__")
+
+    def __init__(self, compressor: Compressor, start_iter: int = 0, min_numel: int = 0,
+                 process_group: dist.ProcessGroup | None = None) -> None:
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be a ddpcomm Compressor, got {compressor!r}")
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a ProcessGroup or None, got {process_group!r}")
+        self.compressor = compressor
+        self.start_iter = _check_iter(start_iter, "start_iter")
+        self.min_numel = _check_iter(min_numel, "min_numel")
+        self.process_group = process_group
+        self.iteration = 0
+        self.memory = ResidualMemory()
+        self._stats = Stats()
+        self._verified = False
+
+    def stats(self) -> dict:
+        """Bytes handed to collectives, the plain all_reduce equivalent, compression time,
+        and how many buckets took each path."""
+        d = self._stats.as_dict()
+        d["iteration"] = self.iteration
+        return d
+
+    def reset_stats(self) -> None:
+        self._stats.reset()
+
+    # -- checkpointing -----------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Iteration, residuals and method config; enough to resume bitwise."""
+        return {"config": self.compressor.config(), "iteration": self.iteration,
+                "start_iter": self.start_iter, "min_numel": self.min_numel,
+                "memory": self.memory.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if tuple(sd["config"]) != self.compressor.config():
+            raise ValueError(
+                f"state_dict was saved with config {sd['config']}, this state has "
+                f"{self.compressor.config()}"
+            )
+        self.iteration = int(sd["iteration"])
+        self.start_iter = int(sd["start_iter"])
+        self.min_numel = int(sd["min_numel"])
+        self.memory.load_state_dict(sd["memory"])
+
+    def __getstate__(self) -> dict:
+        # Process groups do not pickle; a restored state reduces over the default group.
+        return {"compressor": self.compressor, "start_iter": self.start_iter,
+                "min_numel": self.min_numel, "iteration": self.iteration,
+                "memory": self.memory.state_dict()}
+
+    def __setstate__(self, d: dict) -> None:
+        CompressionState.__init__(self, d["compressor"], d["start_iter"], d["min_numel"], None)
+        self.iteration = d["iteration"]
+        self.memory.load_state_dict(d["memory"])
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.compressor!r}, start_iter={self.start_iter}, "
+                f"min_numel={self.min_numel}, iteration={self.iteration})")
+
+
+class QuantizeState(CompressionState):
+    """State of ``quantize_hook``: block-wise b-bit quantization of every bucket.
+
+    Args:
+        bits: 8, 4, 2 or 1 bits per element (plus 4 bytes per block for its scale).
+        block_size: elements per scale, a power of two in [32, 65536] (default 256).
+        stochastic: unbiased stochastic rounding instead of round-to-nearest.
+        error_feedback: carry each step's quantization error into the next; None = on for
+            1 and 2 bits, off for 4 and 8.
+        algorithm: "two_phase", "all_gather" or "auto" (all_gather for 2 ranks or fewer).
+        start_iter, min_numel, process_group: see ``CompressionState``.
+        seed: seed of the stochastic rounding stream.
+
+    Example::
+
+        state = ddpcomm.QuantizeState(bits=4)
+        ddp.register_comm_hook(state, ddpcomm.quantize_hook)
+        ...
+        print(state.stats()["compression_ratio"])
+    """
+
+    __slots__ = ()
+
+    def __init__(self, bits: int = 8, block_size: int = 256, stochastic: bool = False,
+                 error_feedback: bool | None = None, algorithm: str = "auto",
+                 start_iter: int = 0, min_numel: int = 0,
+                 process_group: dist.ProcessGroup | None = None, seed: int = 0) -> None:
+        super().__init__(Quantizer(bits, block_size, stochastic, error_feedback, algorithm, seed),
+                         start_iter, min_numel, process_group)
+
+
+# --------------------------------------------------------------------------------------
+# Default states for state=None: one per DDP model
+# --------------------------------------------------------------------------------------
+
+# Parameter -> the default state of the model it belongs to. A hook cannot see its DDP
+# module, but a bucket's parameters belong to exactly one model; weak keys let a deleted
+# model's state go with it.
+_DEFAULT_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def default_state(bucket: dist.GradBucket, factory) -> CompressionState:
+    """The state ``factory()`` made for the model owning ``bucket``'s parameters."""
+    params = bucket.parameters()
+    state = None
+    for p in params:
+        state = _DEFAULT_STATES.get(p)
+        if state is not None and isinstance(state, factory):
+            break
+        state = None
+    if state is None:
+        state = factory()
+    for p in params:
+        _DEFAULT_STATES[p] = state
+    return state
+
+
+def _signature(bucket: dist.GradBucket) -> tuple:
+    return tuple(id(p) for p in bucket.parameters())
+
+
+# --------------------------------------------------------------------------------------
+# Hooks
+# --------------------------------------------------------------------------------------
+
+
+def run_compressed_hook(state: CompressionState, bucket: dist.GradBucket):
+    """The body every compressing hook shares: plain before start_iter and for small
+    buckets, the compressed all-reduce otherwise."""
+    buffer = bucket.buffer()
+    check_float_tensor(buffer, "bucket")
+    ctx = ReduceContext(group=state.process_group, memory=state.memory, key=bucket.index(),
+                        step=state.iteration, signature=_signature(bucket),
+                        stats=state._stats)
+    if state.iteration < state.start_iter or buffer.numel() < state.min_numel:
+        fut = collectives.plain_all_reduce(buffer, ctx)
+    else:
+        if not state._verified:
+            collectives.verify_config(state.compressor.config(), buffer.numel(),
+                                      state.process_group, buffer.device)
+            state._verified = True
+        fut = collectives.all_reduce_mean(buffer, state.compressor, ctx)
+    if bucket.is_last():
+        state.iteration += 1
+    return fut
+
+
+def quantize_hook(state: QuantizeState | None, bucket: dist.GradBucket
+                  ) -> torch.futures.Future[torch.Tensor]:
+    """DDP hook: all-reduces the bucket as packed b-bit codes with block scales.
+
+    ``state=None`` uses ``QuantizeState()`` (8 bits, block 256), one per DDP model.
+    """
+    if state is None:
+        state = default_state(bucket, QuantizeState)
+    elif not isinstance(state, QuantizeState):
+        raise TypeError(f"quantize_hook needs a QuantizeState or None, got {type(state).__name__}")
+    return run_compressed_hook(state, bucket)
+
+
+def allreduce_hook(state: dist.ProcessGroup | None, bucket: dist.GradBucket
+                   ) -> torch.futures.Future[torch.Tensor]:
+    """DDP hook: the plain, lossless mean (what DDP does without a hook).
+
+    ``state`` is the process group to use, or None for the default group.
+    """
+    if state is not None and not isinstance(state, dist.ProcessGroup):
+        raise TypeError(f"allreduce_hook takes a ProcessGroup or None, got {type(state).__name__}")
+    return collectives.plain_all_reduce(bucket.buffer(), ReduceContext(group=state))
