@@ -34,7 +34,7 @@ namespace {
 // Elements per parallel task of the scan, and per inner block whose hit count is taken
 // before any candidate is stored (keeps the hot loop branch-free and vectorizable).
 constexpr int64_t kChunk = 1 << 16;
-constexpr int64_t kBlock = 256;
+constexpr int64_t kBlock = 16;
 
 int64_t num_chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
 
@@ -45,11 +45,13 @@ struct Candidates {
 };
 
 // Scans e over [0, n) and keeps entries with magnitude_key(e) >= thr. e = x + res when
-// kFuse (and e is stored back into res), else e = x.
+// kFuse (and e is stored back into res), else e = x. Each block is first scanned with a
+// vectorizable count of hits; only blocks with a hit run the (branch-free) compaction.
 template <typename T, bool kFuse>
 void collect(const T* x, float* res, int64_t n, uint32_t thr, std::vector<Candidates>& out) {
   at::parallel_for(0, num_chunks(n), 1, [&](int64_t c0, int64_t c1) {
-    float e[kBlock];
+    uint32_t bits[kBlock], hit_bits[kBlock];
+    int32_t hit_index[kBlock];
     for (int64_t c = c0; c < c1; ++c) {
       Candidates& cand = out[c];
       cand.bits.clear();
@@ -64,16 +66,18 @@ void collect(const T* x, float* res, int64_t n, uint32_t thr, std::vector<Candid
             v = v + res[b + j];
             res[b + j] = v;
           }
-          e[j] = v;
-          hits += magnitude_key(v) >= thr ? 1 : 0;
+          bits[j] = float_bits(v);
+          hits += (bits[j] & 0x7FFFFFFFu) >= thr ? 1 : 0;
         }
         if (hits == 0) continue;
+        int64_t m = 0;
         for (int64_t j = 0; j < len; ++j) {
-          if (magnitude_key(e[j]) >= thr) {
-            cand.bits.push_back(float_bits(e[j]));
-            cand.index.push_back((int32_t)(b + j));
-          }
+          hit_bits[m] = bits[j];
+          hit_index[m] = (int32_t)(b + j);
+          m += (bits[j] & 0x7FFFFFFFu) >= thr ? 1 : 0;
         }
+        cand.bits.insert(cand.bits.end(), hit_bits, hit_bits + m);
+        cand.index.insert(cand.index.end(), hit_index, hit_index + m);
       }
     }
   });
