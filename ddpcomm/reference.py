@@ -367,12 +367,18 @@ def randk_indices(numel: int, k: int, seed: int, step: int, bucket: int) -> torc
 def randk_compress(
     x: torch.Tensor, residual: torch.Tensor | None, k: int, seed: int, step: int, bucket: int
 ) -> torch.Tensor:
-    """fp32 e = x + residual at randk_indices; the residual becomes e, 0 at those indices."""
+    """fp32 e = x + residual at randk_indices; the residual becomes e, 0 at those indices.
+
+    If any entry of e is non-finite (sent or not), every value is NaN, so the reduced
+    result is non-finite on every rank.
+    """
     e = x.reshape(-1).float()
     if residual is not None:
         e = e + residual.reshape(-1)
     idx = randk_indices(e.numel(), k, seed, step, bucket)
     values = e[idx].clone()
+    if not bool(torch.isfinite(e).all()):
+        values.fill_(float("nan"))
     if residual is not None:
         e = e.clone()
         e[idx] = 0.0

@@ -360,3 +360,16 @@ def test_sparse_accumulate_rejects_out_of_range_index():
     )
     with pytest.raises(RuntimeError, match=r"index 10 at position 1"):
         ops.sparse_accumulate(p[None], 10, 2, 1, torch.float32, torch.float32)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_randk_non_finite_anywhere_poisons_every_value(with_residual):
+    n, k = 10007, 10
+    x = gen(n, torch.float32, 8)
+    x[5000] = float("inf")
+    assert 5000 not in ref.randk_indices(n, k, 0, 0, 0).tolist()
+    res = torch.zeros(n) if with_residual else None
+    values = ops.randk_compress(x, res, k, 0, 0, 0)
+    assert torch.isnan(values).all()
+    res_ref = torch.zeros(n) if with_residual else None
+    assert_bitwise(values, ref.randk_compress(x, res_ref, k, 0, 0, 0))

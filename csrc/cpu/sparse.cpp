@@ -22,7 +22,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <functional>
+#include <limits>
 #include <vector>
 
 #include "../checks.h"
@@ -348,25 +350,35 @@ at::Tensor randk_compress_cpu(const at::Tensor& x, const std::optional<at::Tenso
   at::Tensor values = at::empty({k}, x.options().dtype(at::kFloat));
   float* vp = values.data_ptr<float>();
   const uint64_t key = randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket);
+  // A non-finite entry is usually not among the k sent, so it is looked for over the whole
+  // bucket (in the same pass as the EF add): the sent values then all become NaN, which
+  // makes the reduced result non-finite on every rank (GradScaler skips the step).
+  std::atomic<bool> all_finite{true};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "randk_compress", [&] {
     const scalar_t* xp = xc.data_ptr<scalar_t>();
     at::parallel_for(0, k, strata_grain(n, k), [&](int64_t j0, int64_t j1) {
+      bool finite = true;
       for (int64_t j = j0; j < j1; ++j) {
-        const int64_t i = randk_index(key, j, n, k);
+        const int64_t lo = j * n / k, hi = (j + 1) * n / k, i = randk_index(key, j, n, k);
         if (res == nullptr) {
+          for (int64_t t = lo; t < hi; ++t) finite &= is_finite(static_cast<float>(xp[t]));
           vp[j] = static_cast<float>(xp[i]);
           continue;
         }
         // Error feedback over the whole stratum: e = x + r, the chosen entry is sent
         // (r = 0 there), every other entry keeps e for the next step.
-        for (int64_t t = j * n / k; t < (j + 1) * n / k; ++t) {
-          res[t] = static_cast<float>(xp[t]) + res[t];
+        for (int64_t t = lo; t < hi; ++t) {
+          const float e = static_cast<float>(xp[t]) + res[t];
+          res[t] = e;
+          finite &= is_finite(e);
         }
         vp[j] = res[i];
         res[i] = 0.0f;
       }
+      if (!finite) all_finite.store(false, std::memory_order_relaxed);
     });
   });
+  if (!all_finite.load()) values.fill_(std::numeric_limits<float>::quiet_NaN());
   return values;
 }
 
