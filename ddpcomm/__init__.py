@@ -25,3 +25,8 @@ __all__ = [
     "parse_compression",
     "quantize_hook",
 ]
+
+# Sparsification (top-k, random-k)
+from ddpcomm.hooks import RandomKState, TopKState, randomk_hook, topk_hook  # noqa: E402
+
+__all__ += ["RandomKState", "TopKState", "randomk_hook", "topk_hook"]
