@@ -12,7 +12,8 @@ TORCH_LIBRARY(ddpcomm, m) {
   m.def(
       "quantize(Tensor x, Tensor(a!)? residual, int bits, int block_size, bool stochastic=False, "
       "int seed=0, int step=0, int rng_offset=0) -> Tensor");
-  m.def("dequantize(Tensor packed, int numel, int bits, int block_size, ScalarType dtype) -> Tensor");
+  m.def(
+      "dequantize(Tensor packed, int numel, int bits, int block_size, ScalarType dtype) -> Tensor");
   m.def(
       "dequantize_sum(Tensor payloads, int numel, int bits, int block_size, int divisor, "
       "ScalarType dtype) -> Tensor");
@@ -20,6 +21,15 @@ TORCH_LIBRARY(ddpcomm, m) {
       "dequantize_sum_requantize(Tensor payloads, Tensor(a!)? residual, int numel, int bits, "
       "int block_size, int divisor, bool stochastic=False, int seed=0, int step=0, "
       "int rng_offset=0) -> Tensor");
+  // Out-variants: write into caller-owned buffers (no allocation, no first-touch page
+  // faults on every call). dequantize_* take numel and dtype from `out`.
+  m.def(
+      "quantize_into(Tensor x, Tensor(a!)? residual, Tensor(b!) out, int bits, int block_size, "
+      "bool stochastic=False, int seed=0, int step=0, int rng_offset=0) -> ()");
+  m.def("dequantize_into(Tensor packed, Tensor(a!) out, int bits, int block_size) -> ()");
+  m.def(
+      "dequantize_sum_into(Tensor payloads, Tensor(a!) out, int bits, int block_size, "
+      "int divisor) -> ()");
 
   // Sparsification family (top-k, random-k). Payload layout and selection order:
   // csrc/numerics.h, "Sparsification".

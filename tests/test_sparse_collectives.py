@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks
 
 import ddpcomm.ops as ops
 import ddpcomm.reference as ref
 from ddpcomm import collectives
 from ddpcomm.collectives import ReduceContext, ResidualMemory
 from ddpcomm.compressors import RandomK, TopK, parse
+from tests.dist_utils import run_ranks
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 N = 10007  # odd, several scan blocks
