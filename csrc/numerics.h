@@ -207,19 +207,29 @@ DDPC_HD int64_t topk_sample_index(uint64_t key, int64_t j, int64_t n) {
   return (int64_t)((rng_u64_keyed(key, (uint64_t)j) >> 11) % (uint64_t)n);
 }
 
+// Integer square root (floor), for the sample margins below.
+DDPC_HD int64_t isqrt64(int64_t m) {
+  int64_t root = 0;
+  while ((root + 1) * (root + 1) <= m) ++root;
+  return root;
+}
+
 // Rank (0-based, in the sample sorted by descending key) whose key is the approximate
-// threshold: the sample's share of k. A rank >= S means "threshold 0": every entry is a
-// candidate. Approximate mode's output depends on it, so it is integer math.
-DDPC_HD int64_t topk_approx_rank(int64_t k, int64_t n, int64_t samples) { return k * samples / n; }
+// threshold: the sample's share of k, m = k*S/n, plus one standard deviation of that
+// binomial count, so about 84% of draws keep at least k candidates (and give the exact
+// top k) while the rest fill up only a few percent of k. A rank >= S means "threshold 0":
+// every entry is a candidate. Approximate mode's output depends on it: integer math.
+DDPC_HD int64_t topk_approx_rank(int64_t k, int64_t n, int64_t samples) {
+  const int64_t m = k * samples / n;
+  return m + isqrt64(m);
+}
 
 // Exact mode's output does not depend on its threshold (a miss costs one more pass), so
 // this rank only trades candidates kept against the chance of a miss: the expected count
 // m plus about 4 standard deviations of a binomial count, plus slack for tiny m.
 DDPC_HD int64_t topk_exact_rank(int64_t k, int64_t n, int64_t samples) {
   const int64_t m = k * samples / n;
-  int64_t root = 0;
-  while ((root + 1) * (root + 1) <= m) ++root;
-  return m + 4 * (root + 1) + 8;
+  return m + 4 * (isqrt64(m) + 1) + 8;
 }
 
 // Random-k: k distinct indices in ascending order by stratified sampling. Stratum j is

@@ -277,10 +277,12 @@ def topk_sample_indices(n: int, seed: int, step: int) -> torch.Tensor:
 
 
 def topk_approx_threshold(e: torch.Tensor, k: int, seed: int, step: int) -> int:
-    """Approximate mode's key threshold: the sample's (k*S//n)-th largest key, or 0."""
+    """Approximate mode's key threshold: the sample's r-th largest key (0-based), with
+    m = k*S//n and r = m + isqrt(m), or 0 when r >= S."""
     n = e.numel()
     samples = min(n, TOPK_SAMPLE_MAX)
-    rank = k * samples // n
+    m = k * samples // n
+    rank = m + math.isqrt(m)
     if rank >= samples:
         return 0
     keys = magnitude_key(e[topk_sample_indices(n, seed, step)])

@@ -93,7 +93,7 @@ def _sample_misses(e: torch.Tensor, k: int, approximate: bool) -> bool:
     n = e.numel()
     s = min(n, ref.TOPK_SAMPLE_MAX)
     m = k * s // n
-    rank = m if approximate else m + 4 * (math.isqrt(m) + 1) + 8
+    rank = m + math.isqrt(m) if approximate else m + 4 * (math.isqrt(m) + 1) + 8
     keys = ref.magnitude_key(e[ref.topk_sample_indices(n, 0, 0)]).sort(descending=True).values
     return int((ref.magnitude_key(e) >= keys[rank]).sum()) < k
 
@@ -160,8 +160,9 @@ def test_topk_error_feedback_conserves_e(value_dtype):
 
 
 def test_topk_approximate_close_to_exact():
-    """On a Gaussian bucket the approximate selection keeps >= 95% of the exact top-k's
-    L2 mass (the sample's count error is a few percent of k; see bench sparse)."""
+    """On a Gaussian bucket the approximate selection keeps >= 97% of the exact top-k's
+    L2 mass: its threshold keeps >= k candidates (then it is exact) in ~84% of sample
+    draws, and otherwise fills up a few percent of k (bench sparse: 99.8% mean)."""
     n = 1 << 20
     x = gen(n, torch.float32, 6)
     k = k_for(n, 0.01)
@@ -169,7 +170,7 @@ def test_topk_approximate_close_to_exact():
     for approximate in (False, True):
         _, val = split(ops.topk_compress(x, None, k, approximate, seed=3, step=9), k)
         mass.append(float(val.double().pow(2).sum()))
-    assert mass[1] <= mass[0] and mass[1] >= 0.95 * mass[0]
+    assert mass[1] <= mass[0] and mass[1] >= 0.97 * mass[0]
 
 
 # ---------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import sys
 
 # Command modules, in the order `--help` lists them.
 COMMANDS = ["demo", "kernels"]
+COMMANDS += ["sparse"]  # sparsification: top-k / random-k
 
 
 def main(argv: list[str] | None = None) -> int:
