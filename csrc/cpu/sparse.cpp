@@ -27,6 +27,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "../checks.h"
 #include "../numerics.h"
 
@@ -34,9 +38,11 @@ namespace ddpcomm {
 namespace {
 
 // Elements per parallel task of the scan, and per inner block whose hit count is taken
-// before any candidate is stored (keeps the hot loop branch-free and vectorizable).
+// before any candidate is stored (keeps the hot loop vectorizable; blocks without a hit,
+// most of them below ~1% density, skip the compaction).
 constexpr int64_t kChunk = 1 << 16;
-constexpr int64_t kBlock = 16;
+constexpr int64_t kBlock = 64;
+constexpr bool kSkipEmptyBlocks = false;
 
 int64_t num_chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
 
@@ -46,14 +52,65 @@ struct Candidates {
   std::vector<int32_t> index;
 };
 
+#if defined(__AVX2__)
+// For each 8-bit mask, the lanes whose bit is set, packed to the front (in lane order):
+// the permutation that compacts one 8-lane vector with AVX2's permutevar8x32.
+struct CompactTable {
+  alignas(32) int32_t lanes[256][8];
+  CompactTable() {
+    for (int mask = 0; mask < 256; ++mask) {
+      int m = 0;
+      for (int lane = 0; lane < 8; ++lane) {
+        if (mask & (1 << lane)) lanes[mask][m++] = lane;
+      }
+      while (m < 8) lanes[mask][m++] = 0;
+    }
+  }
+};
+const CompactTable kCompact;
+#endif
+
+// Appends the entries of bits[0, len) whose key is >= thr, with their indices b + j, to
+// hit_bits / hit_index (which have room for len + 8) and returns how many. Keeps order.
+int64_t compact(const uint32_t* bits, int64_t len, int64_t b, uint32_t thr, uint32_t* hit_bits,
+                int32_t* hit_index) {
+  int64_t m = 0, j = 0;
+#if defined(__AVX2__)
+  // Keys are < 2^31, so a signed compare against thr - 1 is key >= thr (thr = 0: all).
+  const __m256i lo = _mm256_set1_epi32((int32_t)thr - 1);
+  const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (; j + 8 <= len; j += 8) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits + j));
+    const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(v, magnitude), lo);
+    // No early exit on an empty mask: at 1% density a third of the 8-lane groups hold a
+    // hit, and the mispredicted branch cost more than the stores it saved.
+    const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(hit));
+    const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompact.lanes[mask]));
+    const __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int32_t)(b + j)), lane);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hit_bits + m),
+                        _mm256_permutevar8x32_epi32(v, perm));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hit_index + m),
+                        _mm256_permutevar8x32_epi32(index, perm));
+    m += __builtin_popcount((unsigned)mask);
+  }
+#endif
+  for (; j < len; ++j) {  // branch-free: always store, advance only on a hit
+    hit_bits[m] = bits[j];
+    hit_index[m] = (int32_t)(b + j);
+    m += (bits[j] & 0x7FFFFFFFu) >= thr ? 1 : 0;
+  }
+  return m;
+}
+
 // Scans e over [0, n) and keeps entries with magnitude_key(e) >= thr. e = x + res when
 // kFuse (and e is stored back into res), else e = x. Each block is first scanned with a
-// vectorizable count of hits; only blocks with a hit run the (branch-free) compaction.
+// vectorizable count of hits; only blocks with a hit run the compaction.
 template <typename T, bool kFuse>
 void collect(const T* x, float* res, int64_t n, uint32_t thr, std::vector<Candidates>& out) {
   at::parallel_for(0, num_chunks(n), 1, [&](int64_t c0, int64_t c1) {
-    uint32_t bits[kBlock], hit_bits[kBlock];
-    int32_t hit_index[kBlock];
+    uint32_t bits[kBlock], hit_bits[kBlock + 8];
+    int32_t hit_index[kBlock + 8];
     for (int64_t c = c0; c < c1; ++c) {
       Candidates& cand = out[c];
       cand.bits.clear();
@@ -72,12 +129,7 @@ void collect(const T* x, float* res, int64_t n, uint32_t thr, std::vector<Candid
           hits += (bits[j] & 0x7FFFFFFFu) >= thr ? 1 : 0;
         }
         if (hits == 0) continue;
-        int64_t m = 0;
-        for (int64_t j = 0; j < len; ++j) {
-          hit_bits[m] = bits[j];
-          hit_index[m] = (int32_t)(b + j);
-          m += (bits[j] & 0x7FFFFFFFu) >= thr ? 1 : 0;
-        }
+        const int64_t m = compact(bits, len, b, thr, hit_bits, hit_index);
         cand.bits.insert(cand.bits.end(), hit_bits, hit_bits + m);
         cand.index.insert(cand.index.end(), hit_index, hit_index + m);
       }
