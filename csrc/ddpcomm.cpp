@@ -45,6 +45,14 @@ TORCH_LIBRARY(ddpcomm, m) {
   m.def(
       "randk_decompress(Tensor values, int numel, int seed, int step, int bucket, int divisor, "
       "ScalarType dtype) -> Tensor");
+  // Out-variants: numel and dtype come from `out` (for a 16-bit out, the fp32 sum goes
+  // through `scratch`).
+  m.def(
+      "sparse_accumulate_into(Tensor payloads, Tensor(a!) out, Tensor(b!)? scratch, int k, "
+      "int divisor, ScalarType value_dtype) -> ()");
+  m.def(
+      "randk_decompress_into(Tensor values, Tensor(a!) out, int seed, int step, int bucket, "
+      "int divisor) -> ()");
 }
 
 namespace {

@@ -510,6 +510,14 @@ def _sparse_values_finite(rows: torch.Tensor, k: int, value_dtype: torch.dtype) 
     return bool(torch.isfinite(values).all())
 
 
+def _fp32_scratch(ctx: ReduceContext, flat: torch.Tensor) -> torch.Tensor | None:
+    """A reused fp32 buffer of flat's size for sums of a 16-bit bucket (None for fp32:
+    the sum is formed in ``flat`` itself)."""
+    if flat.dtype == torch.float32:
+        return None
+    return ctx.buffer("fp32_sum", 4 * flat.numel(), flat.device).view(torch.float32)
+
+
 def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
     pg, n = ctx.pg, flat.numel()
     world = dist.get_world_size(pg)
@@ -518,30 +526,36 @@ def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
     residual = ctx.residual("topk", n, flat.device) if c.error_feedback else None
     with _Timer(ctx.stats):
         # The sample seed only matters in approximate mode; per bucket so buckets differ.
-        packed = ops.topk_compress(flat, residual, k, c.approximate, _stream_seed(0, ctx.key),
-                                   ctx.step, vdtype)
+        packed = ops.topk_compress(
+            flat, residual, k, c.approximate, _stream_seed(0, ctx.key), ctx.step, vdtype
+        )
+    scratch = _fp32_scratch(ctx, flat)
 
     if c.use_dense(n, world):
         # Dense switch: this rank's sparsified tensor in fp32, summed by all_reduce. The same
         # numbers as the sparse path up to the order gloo/NCCL add the N terms in.
+        total = flat if scratch is None else scratch
         with _Timer(ctx.stats):
-            mine = ops.sparse_accumulate(packed.view(1, -1), n, k, 1, vdtype, torch.float32)
+            ops.sparse_accumulate(packed.view(1, -1), n, k, 1, vdtype, torch.float32, out=total)
         ctx.stats.record("topk_dense", dense_bytes(n, world, 4), dense_eq)
-        work = dist.all_reduce(mine, group=pg, async_op=True)
+        work = dist.all_reduce(total, group=pg, async_op=True)
 
         def decode_dense(fut):
+            fut.wait()
             with _Timer(ctx.stats):
-                total = fut.value()[0]
-                out = (total / float(world)).to(flat.dtype)
                 # Every rank holds the same sum, so all agree on resetting.
-                if residual is not None and not bool(torch.isfinite(total).all()):
+                finite = bool(torch.isfinite(total).all())
+                total.div_(world)
+                if scratch is not None:
+                    flat.copy_(total)
+                if residual is not None and not finite:
                     ctx.memory.reset(ctx.key)
-            return out
+            return flat
 
         return work.get_future().then(decode_dense)
 
     size = packed.numel()
-    gathered = torch.empty(world * size, dtype=torch.uint8, device=flat.device)
+    gathered = ctx.buffer("gather", world * size, flat.device)
     ctx.stats.record("topk_all_gather", (world - 1) * size, dense_eq)
     work = _all_gather_single(gathered, packed, group=pg, async_op=True)
 
@@ -549,12 +563,12 @@ def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
         fut.wait()
         with _Timer(ctx.stats):
             rows = gathered.view(world, size)
-            out = ops.sparse_accumulate(rows, n, k, world, vdtype, flat.dtype)
+            ops.sparse_accumulate(rows, n, k, world, vdtype, flat.dtype, out=flat, scratch=scratch)
             # NaN/Inf rank above every finite magnitude, so a non-finite bucket always sends
             # one: every rank sees it in the gathered rows and resets the same residual.
             if residual is not None and not _sparse_values_finite(rows, k, vdtype):
                 ctx.memory.reset(ctx.key)
-        return out
+        return flat
 
     return work.get_future().then(decode)
 
@@ -567,18 +581,19 @@ def _randk(flat: torch.Tensor, c: RandomK, ctx: ReduceContext) -> Future:
     with _Timer(ctx.stats):
         values = ops.randk_compress(flat, residual, k, c.seed, ctx.step, bucket)
     # fp32 values on the wire keep the accumulation in fp32 whatever the bucket dtype.
-    ctx.stats.record("randk_all_reduce", dense_bytes(k, world, 4),
-                     dense_bytes(n, world, flat.element_size()))
+    ctx.stats.record(
+        "randk_all_reduce", dense_bytes(k, world, 4), dense_bytes(n, world, flat.element_size())
+    )
     work = dist.all_reduce(values, group=pg, async_op=True)
 
     def decode(fut):
         with _Timer(ctx.stats):
             total = fut.value()[0]
-            out = ops.randk_decompress(total, n, c.seed, ctx.step, bucket, world, flat.dtype)
+            ops.randk_decompress(total, n, c.seed, ctx.step, bucket, world, flat.dtype, out=flat)
             # A non-finite entry anywhere makes its rank send NaN values (randk_compress).
             if residual is not None and not bool(torch.isfinite(total).all()):
                 ctx.memory.reset(ctx.key)
-        return out
+        return flat
 
     return work.get_future().then(decode)
 

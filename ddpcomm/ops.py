@@ -207,13 +207,21 @@ def sparse_accumulate(
     divisor: int,
     value_dtype: torch.dtype,
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense sum of N packed top-k payloads ([N, bytes] uint8) divided by ``divisor``.
 
     Rows are added in row (rank) order into an fp32 buffer of ``numel`` zeros, so an index
-    present in several rows sums in rank order; the result is cast to ``dtype``.
+    present in several rows sums in rank order; the result is cast to ``dtype``. With
+    ``out`` the result is written there (no allocation); a float16/bfloat16 ``out`` also
+    needs ``scratch``, a float32 tensor of ``numel`` elements for the sum.
     """
-    return _ops.sparse_accumulate(payloads, numel, k, divisor, value_dtype, dtype)
+    if out is None:
+        return _ops.sparse_accumulate(payloads, numel, k, divisor, value_dtype, dtype)
+    _check_out(out, numel, dtype, "sparse_accumulate")
+    _ops.sparse_accumulate_into(payloads, out, scratch, k, divisor, value_dtype)
+    return out
 
 
 def randk_compress(
@@ -236,9 +244,15 @@ def randk_decompress(
     bucket: int,
     divisor: int,
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dense ``numel`` tensor holding ``values / divisor`` at the random-k indices, else 0."""
-    return _ops.randk_decompress(values, numel, seed, step, bucket, divisor, dtype)
+    """Dense ``numel`` tensor holding ``values / divisor`` at the random-k indices, else 0
+    (written into ``out`` when given)."""
+    if out is None:
+        return _ops.randk_decompress(values, numel, seed, step, bucket, divisor, dtype)
+    _check_out(out, numel, dtype, "randk_decompress")
+    _ops.randk_decompress_into(values, out, seed, step, bucket, divisor)
+    return out
 
 
 @torch.library.register_fake("ddpcomm::topk_compress")
@@ -260,3 +274,13 @@ def _(x, residual, k, seed, step, bucket):
 @torch.library.register_fake("ddpcomm::randk_decompress")
 def _(values, numel, seed, step, bucket, divisor, dtype):
     return values.new_empty(numel, dtype=dtype)
+
+
+@torch.library.register_fake("ddpcomm::sparse_accumulate_into")
+def _(payloads, out, scratch, k, divisor, value_dtype):
+    return None
+
+
+@torch.library.register_fake("ddpcomm::randk_decompress_into")
+def _(values, out, seed, step, bucket, divisor):
+    return None

@@ -374,3 +374,41 @@ def test_randk_non_finite_anywhere_poisons_every_value(with_residual):
     assert torch.isnan(values).all()
     res_ref = torch.zeros(n) if with_residual else None
     assert_bitwise(values, ref.randk_compress(x, res_ref, k, 0, 0, 0))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_out_variants_match_allocating_ops(dtype):
+    n, k = 278011, 2781
+    rows = torch.stack([ops.topk_compress(gen(n, torch.float32, r), None, k) for r in range(3)])
+    want = ops.sparse_accumulate(rows, n, k, 3, torch.float32, dtype)
+    out = torch.full((n,), 7.0, dtype=dtype)  # stale contents must not leak through
+    scratch = torch.full((n,), 5.0) if dtype != torch.float32 else None
+    got = ops.sparse_accumulate(rows, n, k, 3, torch.float32, dtype, out=out, scratch=scratch)
+    assert got is out
+    assert_bitwise(out, want)
+    values = ops.randk_compress(gen(n, torch.float32), None, k, 1, 2, 3)
+    out = torch.full((n,), 7.0, dtype=dtype)
+    ops.randk_decompress(values, n, 1, 2, 3, 3, dtype, out=out)
+    assert_bitwise(out, ops.randk_decompress(values, n, 1, 2, 3, 3, dtype))
+
+
+def test_out_variants_opcheck_and_bad_input():
+    n, k = 1000, 10
+    rows = torch.stack([ops.topk_compress(gen(n, torch.float32, r), None, k) for r in range(2)])
+    torch.library.opcheck(
+        torch.ops.ddpcomm.sparse_accumulate_into,
+        (rows, torch.empty(n, dtype=torch.bfloat16), torch.empty(n), k, 2, torch.float32),
+    )
+    torch.library.opcheck(
+        torch.ops.ddpcomm.randk_decompress_into, (torch.ones(k), torch.empty(n), 1, 2, 3, 2)
+    )
+    with pytest.raises(RuntimeError, match="needs a float32 scratch"):
+        ops.sparse_accumulate(
+            rows, n, k, 2, torch.float32, torch.float16, out=torch.empty(n, dtype=torch.float16)
+        )
+    with pytest.raises(RuntimeError, match="scratch must be"):
+        torch.ops.ddpcomm.sparse_accumulate_into(
+            rows, torch.empty(n, dtype=torch.float16), torch.empty(n - 1), k, 2, torch.float32
+        )
+    with pytest.raises(ValueError, match="out must have"):
+        ops.sparse_accumulate(rows, n, k, 2, torch.float32, torch.float32, out=torch.empty(n + 1))

@@ -357,35 +357,69 @@ void scatter_add_row(const uint8_t* row, int64_t k, float* acc) {
   });
 }
 
-at::Tensor sparse_accumulate_cpu(const at::Tensor& payloads, int64_t numel, int64_t k,
-                                 int64_t divisor, at::ScalarType value_dtype,
-                                 at::ScalarType dtype) {
-  const char* op = "sparse_accumulate";
+// Sums the rows into `acc` (fp32, numel) and writes acc / divisor into `out` (which may be
+// `acc` itself when it is float32). Both are caller-owned, so the hot path allocates
+// nothing: a fresh bucket-sized tensor costs more in first-touch page faults than the sum.
+void accumulate_rows(const at::Tensor& payloads, float* acc, const at::Tensor& out, int64_t k,
+                     int64_t divisor, at::ScalarType value_dtype, const char* op) {
+  const int64_t numel = out.numel();
   check_sparse_payloads(payloads, numel, k, value_dtype, op);
-  check_divisor_dtype(divisor, dtype, op);
+  check_divisor_dtype(divisor, out.scalar_type(), op);
+  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
   const at::Tensor pc = payloads.contiguous();
   const int64_t rows = pc.size(0), row_bytes = pc.size(1);
   const uint8_t* in = pc.data_ptr<uint8_t>();
   check_rows(in, rows, row_bytes, k, numel);
 
-  at::Tensor acc = at::zeros({numel}, payloads.options().dtype(at::kFloat));
-  float* ap = acc.data_ptr<float>();
+  at::parallel_for(0, numel, kChunk,
+                   [&](int64_t i0, int64_t i1) { std::fill(acc + i0, acc + i1, 0.0f); });
   // Rank order: row r is added only after row r - 1, so duplicates across ranks sum in
   // rank order; within a row indices are distinct, so the row scatters in parallel.
   for (int64_t r = 0; r < rows; ++r) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, value_dtype, "sparse_accumulate",
-                                    [&] { scatter_add_row<scalar_t>(in + r * row_bytes, k, ap); });
+                                    [&] { scatter_add_row<scalar_t>(in + r * row_bytes, k, acc); });
   }
-  if (divisor == 1 && dtype == at::kFloat) return acc;
-  at::Tensor result = at::empty({numel}, acc.options().dtype(dtype));
+  if (divisor == 1 && out.scalar_type() == at::kFloat) return;
   const float div = (float)divisor;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "sparse_accumulate", [&] {
-    scalar_t* op_ = result.data_ptr<scalar_t>();
-    at::parallel_for(0, numel, kChunk, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) op_[i] = static_cast<scalar_t>(ap[i] / div);
-    });
-  });
-  return result;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "sparse_accumulate",
+                                  [&] {
+                                    scalar_t* o = out.data_ptr<scalar_t>();
+                                    at::parallel_for(0, numel, kChunk, [&](int64_t i0, int64_t i1) {
+                                      for (int64_t i = i0; i < i1; ++i) {
+                                        o[i] = static_cast<scalar_t>(acc[i] / div);
+                                      }
+                                    });
+                                  });
+}
+
+void sparse_accumulate_into_cpu(const at::Tensor& payloads, const at::Tensor& out,
+                                const std::optional<at::Tensor>& scratch, int64_t k,
+                                int64_t divisor, at::ScalarType value_dtype) {
+  const char* op = "sparse_accumulate_into";
+  if (out.scalar_type() == at::kFloat) {
+    accumulate_rows(payloads, out.data_ptr<float>(), out, k, divisor, value_dtype, op);
+    return;
+  }
+  TORCH_CHECK(scratch.has_value(), op,
+              ": a float16/bfloat16 out needs a float32 scratch of out.numel() elements, "
+              "got none");
+  TORCH_CHECK(scratch->scalar_type() == at::kFloat && scratch->is_contiguous() &&
+                  scratch->numel() == out.numel(),
+              op, ": scratch must be a contiguous float32 tensor of ", out.numel(),
+              " elements, got ", scratch->scalar_type(), " of ", scratch->numel());
+  accumulate_rows(payloads, scratch->data_ptr<float>(), out, k, divisor, value_dtype, op);
+}
+
+at::Tensor sparse_accumulate_cpu(const at::Tensor& payloads, int64_t numel, int64_t k,
+                                 int64_t divisor, at::ScalarType value_dtype,
+                                 at::ScalarType dtype) {
+  const char* op = "sparse_accumulate";
+  check_sparse_numel_k(numel, k, op);
+  check_divisor_dtype(divisor, dtype, op);
+  at::Tensor acc = at::empty({numel}, payloads.options().dtype(at::kFloat));
+  at::Tensor out = dtype == at::kFloat ? acc : at::empty({numel}, acc.options().dtype(dtype));
+  accumulate_rows(payloads, acc.data_ptr<float>(), out, k, divisor, value_dtype, op);
+  return out;
 }
 
 // Strata per parallel task of the random-k ops: each stratum is a contiguous range of the
@@ -434,29 +468,38 @@ at::Tensor randk_compress_cpu(const at::Tensor& x, const std::optional<at::Tenso
   return values;
 }
 
-at::Tensor randk_decompress_cpu(const at::Tensor& values, int64_t numel, int64_t seed, int64_t step,
-                                int64_t bucket, int64_t divisor, at::ScalarType dtype) {
+void randk_decompress_into_cpu(const at::Tensor& values, const at::Tensor& out, int64_t seed,
+                               int64_t step, int64_t bucket, int64_t divisor) {
   const char* op = "randk_decompress";
   check_float_tensor(values, "values", op);
   TORCH_CHECK(values.dim() == 1, op, ": values must be 1-D, got ", values.dim(), " dimensions");
-  const int64_t k = values.numel();
+  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
+  const int64_t k = values.numel(), numel = out.numel();
   check_sparse_numel_k(numel, k, op);
-  check_divisor_dtype(divisor, dtype, op);
+  check_divisor_dtype(divisor, out.scalar_type(), op);
   const at::Tensor vf = values.to(at::kFloat).contiguous();
   const float* vp = vf.data_ptr<float>();
   const float div = (float)divisor;
   const uint64_t key = randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket);
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, out.scalar_type(), "randk_decompress", [&] {
+        scalar_t* o = out.data_ptr<scalar_t>();
+        at::parallel_for(0, k, strata_grain(numel, k), [&](int64_t j0, int64_t j1) {
+          for (int64_t j = j0; j < j1; ++j) {
+            const int64_t lo = j * numel / k, hi = (j + 1) * numel / k;
+            std::fill(o + lo, o + hi, static_cast<scalar_t>(0.0f));
+            o[randk_index(key, j, numel, k)] = static_cast<scalar_t>(vp[j] / div);
+          }
+        });
+      });
+}
+
+at::Tensor randk_decompress_cpu(const at::Tensor& values, int64_t numel, int64_t seed, int64_t step,
+                                int64_t bucket, int64_t divisor, at::ScalarType dtype) {
+  check_divisor_dtype(divisor, dtype, "randk_decompress");
+  check_sparse_numel_k(numel, values.numel(), "randk_decompress");
   at::Tensor out = at::empty({numel}, values.options().dtype(dtype));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "randk_decompress", [&] {
-    scalar_t* o = out.data_ptr<scalar_t>();
-    at::parallel_for(0, k, strata_grain(numel, k), [&](int64_t j0, int64_t j1) {
-      for (int64_t j = j0; j < j1; ++j) {
-        const int64_t lo = j * numel / k, hi = (j + 1) * numel / k;
-        std::fill(o + lo, o + hi, static_cast<scalar_t>(0.0f));
-        o[randk_index(key, j, numel, k)] = static_cast<scalar_t>(vp[j] / div);
-      }
-    });
-  });
+  randk_decompress_into_cpu(values, out, seed, step, bucket, divisor);
   return out;
 }
 
@@ -467,6 +510,8 @@ TORCH_LIBRARY_IMPL(ddpcomm, CPU, m) {
   m.impl("sparse_accumulate", &sparse_accumulate_cpu);
   m.impl("randk_compress", &randk_compress_cpu);
   m.impl("randk_decompress", &randk_decompress_cpu);
+  m.impl("sparse_accumulate_into", &sparse_accumulate_into_cpu);
+  m.impl("randk_decompress_into", &randk_decompress_into_cpu);
 }
 
 }  // namespace ddpcomm
