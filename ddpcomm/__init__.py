@@ -26,6 +26,11 @@ __all__ = [
     "quantize_hook",
 ]
 
+# Compressed all_reduce wrappers outside DDP (ddpcomm/wrappers.py).
+from ddpcomm.wrappers import AllReduceHandle, all_reduce, all_reduce_coalesced  # noqa: E402
+
+__all__ += ["AllReduceHandle", "all_reduce", "all_reduce_coalesced"]
+
 # Sparsification (top-k, random-k)
 from ddpcomm.hooks import RandomKState, TopKState, randomk_hook, topk_hook  # noqa: E402
 

@@ -389,8 +389,9 @@ class RandomK(_Sparsifier):
 def _sparsifier(cls):
     def factory(arg, **options):
         if arg is None:
-            raise ValueError(f"compression spec {cls.prefix!r} needs a ratio, e.g. "
-                             f"'{cls.prefix}:0.01'")
+            raise ValueError(
+                f"compression spec {cls.prefix!r} needs a ratio, e.g. '{cls.prefix}:0.01'"
+            )
         try:
             ratio = float(arg)
         except ValueError:

@@ -309,12 +309,22 @@ class TopKState(CompressionState):
 
     __slots__ = ()
 
-    def __init__(self, ratio: float = 0.01, approximate: bool = False,
-                 error_feedback: bool = True, value_dtype: torch.dtype | None = None,
-                 start_iter: int = 0, min_numel: int = 0,
-                 process_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(TopK(ratio, approximate, error_feedback, value_dtype),
-                         start_iter, min_numel, process_group)
+    def __init__(
+        self,
+        ratio: float = 0.01,
+        approximate: bool = False,
+        error_feedback: bool = True,
+        value_dtype: torch.dtype | None = None,
+        start_iter: int = 0,
+        min_numel: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(
+            TopK(ratio, approximate, error_feedback, value_dtype),
+            start_iter,
+            min_numel,
+            process_group,
+        )
 
 
 class RandomKState(CompressionState):
@@ -334,15 +344,21 @@ class RandomKState(CompressionState):
 
     __slots__ = ()
 
-    def __init__(self, ratio: float = 0.01, seed: int = 0, error_feedback: bool = True,
-                 start_iter: int = 0, min_numel: int = 0,
-                 process_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(RandomK(ratio, seed, error_feedback), start_iter, min_numel,
-                         process_group)
+    def __init__(
+        self,
+        ratio: float = 0.01,
+        seed: int = 0,
+        error_feedback: bool = True,
+        start_iter: int = 0,
+        min_numel: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(RandomK(ratio, seed, error_feedback), start_iter, min_numel, process_group)
 
 
-def topk_hook(state: TopKState | None, bucket: dist.GradBucket
-              ) -> torch.futures.Future[torch.Tensor]:
+def topk_hook(
+    state: TopKState | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP hook: all-gathers each rank's top-k (index, value) pairs and sums them.
 
     ``state=None`` uses ``TopKState()`` (1% density, exact, error feedback), one per model.
@@ -354,8 +370,9 @@ def topk_hook(state: TopKState | None, bucket: dist.GradBucket
     return run_compressed_hook(state, bucket)
 
 
-def randomk_hook(state: RandomKState | None, bucket: dist.GradBucket
-                 ) -> torch.futures.Future[torch.Tensor]:
+def randomk_hook(
+    state: RandomKState | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP hook: all-reduces the bucket's entries at k shared random indices.
 
     ``state=None`` uses ``RandomKState()`` (1% density, seed 0, error feedback), one per

@@ -160,7 +160,25 @@ def check_non_finite(rank, world):
             assert bool(torch.isfinite(out).all())
 
 
+def check_wrapper(rank, world):
+    """ddpcomm.all_reduce outside DDP: exact top-k is a function of the inputs alone."""
+    import ddpcomm
+
+    x = gen(N, torch.float32, 10 * rank + 4)
+    y = x.clone()
+    ddpcomm.all_reduce(y, compression="topk:0.01")
+    k = parse("topk:0.01").k(N)
+    rows = gather_rows(ops.topk_compress(x, None, k), world)
+    want = ref.sparse_accumulate(rows, N, k, world, torch.float32, torch.float32)
+    assert torch.equal(y, want)
+    z = x.clone()
+    ddpcomm.all_reduce(z, compression="randk:0.01")
+    assert_same_on_every_rank(z, world)
+    assert int(torch.count_nonzero(z)) <= k
+
+
 def worker(rank, world):
+    check_wrapper(rank, world)
     check_topk(rank, world)
     check_dense_switch(rank, world)
     check_randk(rank, world)

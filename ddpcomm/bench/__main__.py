@@ -12,6 +12,8 @@ import sys
 
 # Command modules, in the order `--help` lists them.
 COMMANDS = ["demo", "kernels"]
+# Fused flatten + all_reduce_coalesced against per-tensor and torch-flatten all_reduces.
+COMMANDS.append("coalesced")
 COMMANDS += ["sparse"]  # sparsification: top-k / random-k
 
 
