@@ -211,23 +211,65 @@ int64_t total_candidates(const std::vector<Candidates>& cands) {
   return c;
 }
 
-// Writes the k best candidates (numerics.h order) in ascending index order. Requires at
-// least k candidates; the k-th largest key T splits them into sure winners (key > T) and
-// ties (key == T), of which the lowest-index ones fill the remaining places.
-void emit_best(const std::vector<Candidates>& cands, int64_t k, const PayloadWriter& w) {
+// The k-th largest key among the candidates (all keyed >= lo, at least k of them). A
+// parallel 4096-bin histogram of (key - lo) >> shift finds the bin holding it; only that
+// bin's keys (a small fraction) go through nth_element. Replaces an nth_element over all
+// candidates, which was serial and a fifth of the op's time at 1% density.
+uint32_t kth_largest_key(const std::vector<Candidates>& cands, int64_t k, uint32_t lo) {
+  constexpr int64_t kBins = 1 << 12;
   const int64_t nc = (int64_t)cands.size();
-  std::vector<int64_t> offset(nc + 1, 0);
-  for (int64_t c = 0; c < nc; ++c) offset[c + 1] = offset[c] + (int64_t)cands[c].bits.size();
-  std::vector<uint32_t> keys(offset[nc]);
-  at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      for (size_t j = 0; j < cands[c].bits.size(); ++j) {
-        keys[offset[c] + j] = cands[c].bits[j] & 0x7FFFFFFFu;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nc));
+  auto part_range = [&](int64_t p) { return std::make_pair(p * nc / parts, (p + 1) * nc / parts); };
+  std::vector<uint32_t> part_max(parts, lo);
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      uint32_t m = lo;
+      for (int64_t c = part_range(p).first; c < part_range(p).second; ++c) {
+        for (uint32_t b : cands[c].bits) m = std::max(m, b & 0x7FFFFFFFu);
+      }
+      part_max[p] = m;
+    }
+  });
+  const uint32_t span = *std::max_element(part_max.begin(), part_max.end()) - lo;
+  int shift = 0;
+  while ((int64_t)(span >> shift) >= kBins) ++shift;
+
+  std::vector<std::vector<int64_t>> hist(parts);
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      std::vector<int64_t>& h = hist[p];
+      h.assign(kBins, 0);
+      for (int64_t c = part_range(p).first; c < part_range(p).second; ++c) {
+        for (uint32_t b : cands[c].bits) h[((b & 0x7FFFFFFFu) - lo) >> shift] += 1;
       }
     }
   });
-  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint32_t>());
-  const uint32_t t = keys[k - 1];
+  int64_t above = 0, bin = kBins - 1;
+  for (;; --bin) {
+    int64_t count = 0;
+    for (int64_t p = 0; p < parts; ++p) count += hist[p][bin];
+    if (above + count >= k) break;
+    above += count;
+  }
+  std::vector<uint32_t> keys;
+  for (const Candidates& cd : cands) {
+    for (uint32_t b : cd.bits) {
+      const uint32_t key = b & 0x7FFFFFFFu;
+      if ((int64_t)((key - lo) >> shift) == bin) keys.push_back(key);
+    }
+  }
+  const int64_t r = k - above - 1;  // rank of the answer inside its bin, descending
+  std::nth_element(keys.begin(), keys.begin() + r, keys.end(), std::greater<uint32_t>());
+  return keys[r];
+}
+
+// Writes the k best candidates (numerics.h order) in ascending index order. Requires at
+// least k candidates; the k-th largest key T splits them into sure winners (key > T) and
+// ties (key == T), of which the lowest-index ones fill the remaining places.
+void emit_best(const std::vector<Candidates>& cands, int64_t k, uint32_t lo,
+               const PayloadWriter& w) {
+  const int64_t nc = (int64_t)cands.size();
+  const uint32_t t = kth_largest_key(cands, k, lo);
 
   std::vector<int64_t> above(nc), ties(nc);
   at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
@@ -308,17 +350,19 @@ at::Tensor topk_compress_cpu(const at::Tensor& x, const std::optional<at::Tensor
       collect<scalar_t, false>(xp, nullptr, n, thr, cands);
     }
     if (total_candidates(cands) >= k) {
-      emit_best(cands, k, w);
+      emit_best(cands, k, thr, w);
     } else if (approximate) {
       // res already holds e after the fused pass.
       emit_padded(cands, k, w,
                   [&](int64_t i) { return res != nullptr ? res[i] : static_cast<float>(xp[i]); });
     } else if (res != nullptr) {
-      collect<float, false>(res, nullptr, n, histogram_threshold(res, n, k), cands);
-      emit_best(cands, k, w);
+      const uint32_t safe = histogram_threshold(res, n, k);
+      collect<float, false>(res, nullptr, n, safe, cands);
+      emit_best(cands, k, safe, w);
     } else {
-      collect<scalar_t, false>(xp, nullptr, n, histogram_threshold(xp, n, k), cands);
-      emit_best(cands, k, w);
+      const uint32_t safe = histogram_threshold(xp, n, k);
+      collect<scalar_t, false>(xp, nullptr, n, safe, cands);
+      emit_best(cands, k, safe, w);
     }
   });
   return packed;
