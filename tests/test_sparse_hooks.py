@@ -92,7 +92,44 @@ def nan_step(rank, world, state, hook):
             assert all(finite)
 
 
+def sgd_steps(rank, state, hook, model, start, steps):
+    """Plain SGD (no optimizer state to checkpoint) from step ``start``; returns params."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    teacher = make_teacher()
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(start, start + steps):
+        x, y = batch(step, rank, teacher)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def resume_is_bitwise(rank, make_state, hook):
+    """8 steps straight == 4 steps, checkpoint (pickle, state_dict), fresh objects, 4 more.
+    The residuals carry the unsent gradient mass, so a lost one would change the result."""
+    straight = sgd_steps(rank, make_state(), hook, make_model(), 0, 8)
+    state, model = make_state(), make_model()
+    sgd_steps(rank, state, hook, model, 0, 4)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh = make_state()
+    fresh.load_state_dict(state.state_dict())
+    for restored in (pickle.loads(pickle.dumps(state)), fresh):
+        model = make_model()
+        model.load_state_dict(weights)
+        assert torch.equal(sgd_steps(rank, restored, hook, model, 4, 4), straight)
+
+
 def ddp_worker(rank, world):
+    resume_is_bitwise(
+        rank,
+        lambda: ddpcomm.TopKState(0.05, approximate=True, value_dtype=torch.bfloat16),
+        ddpcomm.topk_hook,
+    )
+    resume_is_bitwise(rank, lambda: ddpcomm.RandomKState(0.1, seed=3), ddpcomm.randomk_hook)
     default_loss, default_params = train(rank, None, None)
     results = {"default": (default_loss, default_params)}
     for name, state, hook in [
