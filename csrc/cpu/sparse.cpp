@@ -107,7 +107,8 @@ int64_t compact(const uint32_t* bits, int64_t len, int64_t b, uint32_t thr, uint
 // kFuse (and e is stored back into res), else e = x. Each block is first scanned with a
 // vectorizable count of hits; only blocks with a hit run the compaction.
 template <typename T, bool kFuse>
-void collect(const T* x, float* res, int64_t n, uint32_t thr, std::vector<Candidates>& out) {
+void collect(const T* x, float* res, int64_t n, uint32_t thr, double keep_fraction,
+             std::vector<Candidates>& out) {
   at::parallel_for(0, num_chunks(n), 1, [&](int64_t c0, int64_t c1) {
     uint32_t bits[kBlock], hit_bits[kBlock + 8];
     int32_t hit_index[kBlock + 8];
@@ -116,6 +117,10 @@ void collect(const T* x, float* res, int64_t n, uint32_t thr, std::vector<Candid
       cand.bits.clear();
       cand.index.clear();
       const int64_t end = std::min(n, (c + 1) * kChunk);
+      // Room for the expected share plus slack, so the lists rarely regrow (and copy).
+      const int64_t expect = (int64_t)(keep_fraction * (double)(end - c * kChunk) * 1.25) + 64;
+      cand.bits.reserve(expect);
+      cand.index.reserve(expect);
       for (int64_t b = c * kChunk; b < end; b += kBlock) {
         const int64_t len = std::min(kBlock, end - b);
         int32_t hits = 0;
@@ -340,14 +345,18 @@ at::Tensor topk_compress_cpu(const at::Tensor& x, const std::optional<at::Tensor
   const int64_t rank =
       approximate ? topk_approx_rank(k, n, samples) : topk_exact_rank(k, n, samples);
   std::vector<Candidates> cands(num_chunks(n));
+  // Share of entries the sample threshold is expected to keep (sizes the candidate lists);
+  // after a miss, the histogram threshold keeps k plus at most one bin.
+  const double keep = rank >= samples ? 1.0 : (double)(rank + 1) / (double)samples;
+  const double safe_keep = std::min(1.0, 2.0 * (double)k / (double)n);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "topk_compress", [&] {
     const scalar_t* xp = xc.data_ptr<scalar_t>();
     const uint32_t thr = sample_threshold(xp, res, n, rank, key);
     if (res != nullptr) {
-      collect<scalar_t, true>(xp, res, n, thr, cands);
+      collect<scalar_t, true>(xp, res, n, thr, keep, cands);
     } else {
-      collect<scalar_t, false>(xp, nullptr, n, thr, cands);
+      collect<scalar_t, false>(xp, nullptr, n, thr, keep, cands);
     }
     if (total_candidates(cands) >= k) {
       emit_best(cands, k, thr, w);
@@ -357,11 +366,11 @@ at::Tensor topk_compress_cpu(const at::Tensor& x, const std::optional<at::Tensor
                   [&](int64_t i) { return res != nullptr ? res[i] : static_cast<float>(xp[i]); });
     } else if (res != nullptr) {
       const uint32_t safe = histogram_threshold(res, n, k);
-      collect<float, false>(res, nullptr, n, safe, cands);
+      collect<float, false>(res, nullptr, n, safe, safe_keep, cands);
       emit_best(cands, k, safe, w);
     } else {
       const uint32_t safe = histogram_threshold(xp, n, k);
-      collect<scalar_t, false>(xp, nullptr, n, safe, cands);
+      collect<scalar_t, false>(xp, nullptr, n, safe, safe_keep, cands);
       emit_best(cands, k, safe, w);
     }
   });
