@@ -3,16 +3,18 @@
 // payload layout come from csrc/numerics.h; ddpcomm/reference.py states the semantics.
 //
 // topk_compress avoids both a full sort and a full histogram in the common case:
-//   1. a random sample of 16K magnitudes gives a threshold expected to keep a little more
-//      than k entries (exact mode) or about k (approximate mode);
+//   1. a random sample of 16K magnitudes gives a threshold expected to keep ~1.37 k
+//      entries (exact mode: 4 standard deviations of margin) or ~1.08 k (approximate: 1);
 //   2. one fused pass over the bucket adds the residual, stores e back into it and keeps
-//      every entry at or above the threshold as a candidate (per chunk, in index order);
-//   3. the k winners are picked among the candidates only (nth_element on their keys,
-//      ties by lower index) and written in ascending index order with the residual update.
+//      every entry at or above the threshold as a candidate (per chunk, in index order;
+//      AVX2 compaction where the build has it);
+//   3. the k winners are picked among the candidates only (a histogram of their keys, then
+//      nth_element inside one bin; ties by lower index) and written in ascending index
+//      order with the residual update.
 // When the sample misjudged and fewer than k entries passed, exact mode finds a safe
-// threshold from a 32768-bin histogram of the keys (one more pass) and repeats step 2-3 on
-// e, so its result never depends on the sample; approximate mode never makes that pass and
-// fills up with the lowest-index entries that missed the threshold.
+// threshold from a 32768-bin histogram of the keys (one more pass) and repeats steps 2-3
+// on e, so its result never depends on the sample; approximate mode never makes that pass
+// and fills up with the lowest-index entries that missed the threshold.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
