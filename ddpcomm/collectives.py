@@ -518,8 +518,18 @@ def _fp32_scratch(ctx: ReduceContext, flat: torch.Tensor) -> torch.Tensor | None
     return ctx.buffer("fp32_sum", 4 * flat.numel(), flat.device).view(torch.float32)
 
 
+def _empty(flat: torch.Tensor, ctx: ReduceContext) -> Future:
+    """Nothing to select from: no collective (every rank has the same numel), mean of none."""
+    ctx.stats.record("empty", 0, 0)
+    fut: Future = Future()
+    fut.set_result(flat)
+    return fut
+
+
 def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
     pg, n = ctx.pg, flat.numel()
+    if n == 0:
+        return _empty(flat, ctx)
     world = dist.get_world_size(pg)
     k, vdtype = c.k(n), c.value_dtype
     dense_eq = dense_bytes(n, world, flat.element_size())
@@ -575,6 +585,8 @@ def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
 
 def _randk(flat: torch.Tensor, c: RandomK, ctx: ReduceContext) -> Future:
     pg, n = ctx.pg, flat.numel()
+    if n == 0:
+        return _empty(flat, ctx)
     world = dist.get_world_size(pg)
     k, bucket = c.k(n), _bucket_int(ctx.key)
     residual = ctx.residual("randk", n, flat.device) if c.error_feedback else None

@@ -83,6 +83,16 @@ def check_topk(rank, world):
         assert_equal_or_close(out, (sparse / world).to(dtype), world)
 
 
+def check_empty_and_tiny(rank, world):
+    for c in (TopK(0.01), RandomK(0.01)):
+        cx = ctx()
+        assert collectives.all_reduce_mean(torch.empty(0), c, cx).wait().numel() == 0
+        assert cx.stats.paths == {"empty": 1}
+        one = torch.tensor([float(rank + 1)])
+        out = collectives.all_reduce_mean(one, c, ctx()).wait()  # k = 1 = n
+        assert out.item() == sum(range(1, world + 1)) / world
+
+
 def check_dense_switch(rank, world):
     for dtype in (torch.float32, torch.bfloat16):
         x = gen(N, dtype, 10 * rank + 2)
@@ -179,6 +189,7 @@ def check_wrapper(rank, world):
 
 def worker(rank, world):
     check_wrapper(rank, world)
+    check_empty_and_tiny(rank, world)
     check_topk(rank, world)
     check_dense_switch(rank, world)
     check_randk(rank, world)
