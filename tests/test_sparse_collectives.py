@@ -91,6 +91,15 @@ def check_empty_and_tiny(rank, world):
         one = torch.tensor([float(rank + 1)])
         out = collectives.all_reduce_mean(one, c, ctx()).wait()  # k = 1 = n
         assert out.item() == sum(range(1, world + 1)) / world
+    # Ratio 1.0 sends everything: the very all_reduce of x that plain DDP would do (sum,
+    # then / N), bit for bit.
+    x = gen(N, torch.float32, rank + 7)
+    want = x.clone()
+    dist.all_reduce(want)
+    want /= world
+    for c in (TopK(1.0), RandomK(1.0)):
+        out = collectives.all_reduce_mean(x.clone(), c, ctx()).wait()
+        assert torch.equal(out, want), c
 
 
 def check_dense_switch(rank, world):
