@@ -55,6 +55,9 @@ TORCH_LIBRARY(ddpcomm, m) {
   // Out-variants: numel and dtype come from `out` (for a 16-bit out, the fp32 sum goes
   // through `scratch`).
   m.def(
+      "topk_compress_into(Tensor x, Tensor(a!)? residual, Tensor(b!) out, int k, "
+      "bool approximate=False, int seed=0, int step=0, ScalarType? value_dtype=None) -> ()");
+  m.def(
       "sparse_accumulate_into(Tensor payloads, Tensor(a!) out, Tensor(b!)? scratch, int k, "
       "int divisor, ScalarType value_dtype) -> ()");
   m.def(

@@ -534,10 +534,11 @@ def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
     k, vdtype = c.k(n), c.value_dtype
     dense_eq = dense_bytes(n, world, flat.element_size())
     residual = ctx.residual("topk", n, flat.device) if c.error_feedback else None
+    packed = ctx.buffer("send", c.payload_bytes(n), flat.device)
     with _Timer(ctx.stats):
         # The sample seed only matters in approximate mode; per bucket so buckets differ.
-        packed = ops.topk_compress(
-            flat, residual, k, c.approximate, _stream_seed(0, ctx.key), ctx.step, vdtype
+        ops.topk_compress(
+            flat, residual, k, c.approximate, _stream_seed(0, ctx.key), ctx.step, vdtype, out=packed
         )
     scratch = _fp32_scratch(ctx, flat)
 

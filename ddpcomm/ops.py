@@ -308,6 +308,7 @@ def topk_compress(
     seed: int = 0,
     step: int = 0,
     value_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Selects ``k`` entries of e = x (+ ``residual``) by magnitude and packs them.
 
@@ -316,13 +317,18 @@ def topk_compress(
     becomes e at every unselected entry and what the value cast lost at the selected ones
     (0 for float32 values). Exact mode (default) picks the k largest |e|, ties to the lower
     index; approximate mode derives its threshold from a sample keyed by (seed, step).
-    NaN and Inf rank above every finite magnitude. See reference.topk_compress.
+    NaN and Inf rank above every finite magnitude. See reference.topk_compress. With
+    ``out`` (uint8, exactly ``topk_payload_bytes(k, value_dtype)`` long) the payload is
+    written there and ``out`` returned.
 
     >>> p = topk_compress(torch.tensor([0.5, -3.0, 1.0, 2.0]), None, 2)
     >>> p[:8].view(torch.int32).tolist(), p[8:].view(torch.float32).tolist()
     ([1, 3], [-3.0, 2.0])
     """
-    return _ops.topk_compress(x, residual, k, approximate, seed, step, value_dtype)
+    if out is None:
+        return _ops.topk_compress(x, residual, k, approximate, seed, step, value_dtype)
+    _ops.topk_compress_into(x, residual, out, k, approximate, seed, step, value_dtype)
+    return out
 
 
 def sparse_accumulate(
@@ -408,4 +414,9 @@ def _(payloads, out, scratch, k, divisor, value_dtype):
 
 @torch.library.register_fake("ddpcomm::randk_decompress_into")
 def _(values, out, seed, step, bucket, divisor):
+    return None
+
+
+@torch.library.register_fake("ddpcomm::topk_compress_into")
+def _(x, residual, out, k, approximate=False, seed=0, step=0, value_dtype=None):
     return None

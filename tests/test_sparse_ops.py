@@ -386,6 +386,12 @@ def test_out_variants_match_allocating_ops(dtype):
     got = ops.sparse_accumulate(rows, n, k, 3, torch.float32, dtype, out=out, scratch=scratch)
     assert got is out
     assert_bitwise(out, want)
+    x, res, res_into = gen(n, dtype, 1), gen(n, torch.float32, 2), gen(n, torch.float32, 2)
+    packed = torch.full((ops.topk_payload_bytes(k, dtype),), 255, dtype=torch.uint8)
+    got = ops.topk_compress(x, res_into, k, True, 1, 2, dtype, out=packed)
+    assert got is packed
+    assert_bitwise(packed, ops.topk_compress(x, res, k, True, 1, 2, dtype))
+    assert_bitwise(res_into, res)
     values = ops.randk_compress(gen(n, torch.float32), None, k, 1, 2, 3)
     out = torch.full((n,), 7.0, dtype=dtype)
     ops.randk_decompress(values, n, 1, 2, 3, 3, dtype, out=out)
@@ -402,6 +408,13 @@ def test_out_variants_opcheck_and_bad_input():
     torch.library.opcheck(
         torch.ops.ddpcomm.randk_decompress_into, (torch.ones(k), torch.empty(n), 1, 2, 3, 2)
     )
+    x = gen(n, torch.float32)
+    torch.library.opcheck(
+        torch.ops.ddpcomm.topk_compress_into,
+        (x, torch.zeros(n), torch.empty(k * 8, dtype=torch.uint8), k, True, 1, 2, None),
+    )
+    with pytest.raises(RuntimeError, match="out must be a contiguous 1-D uint8"):
+        ops.topk_compress(x, None, k, out=torch.empty(k * 8 - 1, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="needs a float32 scratch"):
         ops.sparse_accumulate(
             rows, n, k, 2, torch.float32, torch.float16, out=torch.empty(n, dtype=torch.float16)

@@ -328,18 +328,21 @@ void emit_padded(const std::vector<Candidates>& cands, int64_t k, const PayloadW
   for (; pads > 0; ++i, --pads) w.put(o++, i, e_at(i));
 }
 
-at::Tensor topk_compress_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                             int64_t k, bool approximate, int64_t seed, int64_t step,
-                             std::optional<at::ScalarType> value_dtype) {
+void topk_compress_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                            const at::Tensor& packed, int64_t k, bool approximate, int64_t seed,
+                            int64_t step, std::optional<at::ScalarType> value_dtype) {
   const char* op = "topk_compress";
   check_sparse_input(x, residual, k, op);
   const at::ScalarType vtype = value_dtype.value_or(at::kFloat);
   check_value_dtype(vtype, op);
+  const int64_t need = topk_payload_bytes(k, at::elementSize(vtype));
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous() &&
+                  packed.numel() == need,
+              op, ": out must be a contiguous 1-D uint8 tensor of k * (4 + value bytes) = ", need,
+              " bytes, got ", packed.scalar_type(), " of ", packed.numel());
   const int64_t n = x.numel();
   const at::Tensor xc = x.contiguous();
   float* res = residual ? residual->data_ptr<float>() : nullptr;
-  auto packed =
-      at::empty({topk_payload_bytes(k, at::elementSize(vtype))}, x.options().dtype(at::kByte));
   const PayloadWriter w{reinterpret_cast<int32_t*>(packed.data_ptr<uint8_t>()),
                         packed.data_ptr<uint8_t>() + 4 * k, vtype, res};
   const uint64_t key = rng_key((uint64_t)seed, (uint64_t)step);
@@ -376,6 +379,17 @@ at::Tensor topk_compress_cpu(const at::Tensor& x, const std::optional<at::Tensor
       emit_best(cands, k, safe, w);
     }
   });
+}
+
+at::Tensor topk_compress_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                             int64_t k, bool approximate, int64_t seed, int64_t step,
+                             std::optional<at::ScalarType> value_dtype) {
+  check_value_dtype(value_dtype.value_or(at::kFloat), "topk_compress");
+  check_sparse_numel_k(x.numel(), k, "topk_compress");
+  at::Tensor packed =
+      at::empty({topk_payload_bytes(k, at::elementSize(value_dtype.value_or(at::kFloat)))},
+                x.options().dtype(at::kByte));
+  topk_compress_into_cpu(x, residual, packed, k, approximate, seed, step, value_dtype);
   return packed;
 }
 
@@ -565,6 +579,7 @@ TORCH_LIBRARY_IMPL(ddpcomm, CPU, m) {
   m.impl("sparse_accumulate", &sparse_accumulate_cpu);
   m.impl("randk_compress", &randk_compress_cpu);
   m.impl("randk_decompress", &randk_decompress_cpu);
+  m.impl("topk_compress_into", &topk_compress_into_cpu);
   m.impl("sparse_accumulate_into", &sparse_accumulate_into_cpu);
   m.impl("randk_decompress_into", &randk_decompress_into_cpu);
 }
