@@ -307,9 +307,13 @@ class TopK(_Sparsifier):
 
     Args:
         ratio: density R in (0, 1].
-        approximate: pick the threshold from a 16K-element sample (one pass, never two;
-            may fill up with small entries when the sample overshoots) instead of the exact
-            top k. Exact is the default: it is a single pass too unless the sample misses.
+        approximate: pick the threshold from a 16K-element sample with one standard
+            deviation of margin and never make a second pass: when fewer than k entries
+            pass, fill up with the lowest-index ones below it. Measured on Gaussian buckets
+            at 1% (1M and 16M entries, 40 draws): identical to exact in 78-85% of draws,
+            99.4-99.7% of the exact top k's L2 mass on average, 93.6% in the worst draw.
+            On CPU it is only ~1.1-1.5x faster than exact, which is itself one pass unless
+            its (4-sigma) sample threshold misses; the default is exact.
         error_feedback: carry what was not sent into the next step (default True).
         value_dtype: dtype of the values on the wire; None means float32. float16/bfloat16
             halve the value bytes; the cast error goes to the residual.
