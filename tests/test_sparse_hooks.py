@@ -145,6 +145,16 @@ def ddp_worker(rank, world):
         assert math.isfinite(loss)
     nan_step(rank, world, ddpcomm.TopKState(0.01), ddpcomm.topk_hook)
     nan_step(rank, world, ddpcomm.RandomKState(0.01), ddpcomm.randomk_hook)
+    # Ranks configured differently: a clear error on every rank at the first step, no hang.
+    for state, hook in [
+        (ddpcomm.TopKState(0.01 if rank == 0 else 0.02), ddpcomm.topk_hook),
+        (ddpcomm.RandomKState(0.01, seed=rank), ddpcomm.randomk_hook),
+    ]:
+        try:
+            train(rank, state, hook, steps=1)
+            results.setdefault("mismatch", []).append("no error")
+        except Exception as exc:  # noqa: BLE001 - DDP re-raises hook errors as RuntimeError
+            results.setdefault("mismatch", []).append(str(exc))
     return results
 
 
@@ -157,6 +167,13 @@ def test_ddp_ranks_end_bitwise_identical(ddp_runs):
     for name in ("topk", "randk"):
         params = [r[name][1] for r in ddp_runs]
         assert all(p == params[0] for p in params[1:]), name
+
+
+def test_ranks_with_different_configs_fail_clearly(ddp_runs):
+    for r in ddp_runs:
+        assert len(r["mismatch"]) == 2
+        for msg in r["mismatch"]:
+            assert "ranks disagree on the compression configuration" in msg
 
 
 @pytest.mark.parametrize("name", ["topk", "randk"])
