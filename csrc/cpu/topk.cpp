@@ -24,7 +24,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -46,10 +48,43 @@ constexpr bool kSkipEmptyBlocks = false;
 
 int64_t num_chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
 
-// One chunk's candidates, in index order: the raw bits of e (value and key in one word).
+// A growable array that, unlike std::vector, does not zero the room it hands out: the
+// compaction writes up to a block (+ 8) of entries past the end and keeps only the hits.
+template <typename T>
+class Buffer {
+ public:
+  void clear() { size_ = 0; }
+  void reserve(int64_t capacity) {
+    if (capacity > capacity_) grow(capacity);
+  }
+  // Where `count` more entries can be written; extend() then keeps the ones used.
+  T* tail(int64_t count) {
+    if (size_ + count > capacity_) grow(std::max(2 * capacity_, size_ + count));
+    return data_.get() + size_;
+  }
+  void extend(int64_t count) { size_ += count; }
+  int64_t size() const { return size_; }
+  const T* begin() const { return data_.get(); }
+  const T* end() const { return data_.get() + size_; }
+  const T& operator[](int64_t i) const { return data_[i]; }
+
+ private:
+  void grow(int64_t capacity) {
+    std::unique_ptr<T[]> bigger(new T[capacity]);
+    if (size_ > 0) std::memcpy(bigger.get(), data_.get(), size_ * sizeof(T));
+    data_ = std::move(bigger);
+    capacity_ = capacity;
+  }
+  std::unique_ptr<T[]> data_;
+  int64_t size_ = 0, capacity_ = 0;
+};
+
+// One chunk's candidates, in index order: the raw bits of e (value and key in one word),
+// and the largest key of the whole chunk (>= every candidate's).
 struct Candidates {
-  std::vector<uint32_t> bits;
-  std::vector<int32_t> index;
+  Buffer<uint32_t> bits;
+  Buffer<int32_t> index;
+  uint32_t max_key = 0;
 };
 
 #if defined(__AVX2__)
@@ -110,8 +145,7 @@ template <typename T, bool kFuse>
 void collect(const T* x, float* res, int64_t n, uint32_t thr, double keep_fraction,
              std::vector<Candidates>& out) {
   at::parallel_for(0, num_chunks(n), 1, [&](int64_t c0, int64_t c1) {
-    uint32_t bits[kBlock], hit_bits[kBlock + 8];
-    int32_t hit_index[kBlock + 8];
+    uint32_t bits[kBlock];
     for (int64_t c = c0; c < c1; ++c) {
       Candidates& cand = out[c];
       cand.bits.clear();
@@ -121,9 +155,11 @@ void collect(const T* x, float* res, int64_t n, uint32_t thr, double keep_fracti
       const int64_t expect = (int64_t)(keep_fraction * (double)(end - c * kChunk) * 1.25) + 64;
       cand.bits.reserve(expect);
       cand.index.reserve(expect);
+      uint32_t chunk_max = 0;
       for (int64_t b = c * kChunk; b < end; b += kBlock) {
         const int64_t len = std::min(kBlock, end - b);
         int32_t hits = 0;
+        uint32_t block_max = 0;
         for (int64_t j = 0; j < len; ++j) {
           float v = static_cast<float>(x[b + j]);
           if (kFuse) {
@@ -131,13 +167,18 @@ void collect(const T* x, float* res, int64_t n, uint32_t thr, double keep_fracti
             res[b + j] = v;
           }
           bits[j] = float_bits(v);
-          hits += (bits[j] & 0x7FFFFFFFu) >= thr ? 1 : 0;
+          const uint32_t key = bits[j] & 0x7FFFFFFFu;
+          hits += key >= thr ? 1 : 0;
+          block_max = key > block_max ? key : block_max;
         }
+        chunk_max = std::max(chunk_max, block_max);
         if (hits == 0) continue;
-        const int64_t m = compact(bits, len, b, thr, hit_bits, hit_index);
-        cand.bits.insert(cand.bits.end(), hit_bits, hit_bits + m);
-        cand.index.insert(cand.index.end(), hit_index, hit_index + m);
+        const int64_t m =
+            compact(bits, len, b, thr, cand.bits.tail(len + 8), cand.index.tail(len + 8));
+        cand.bits.extend(m);
+        cand.index.extend(m);
       }
+      cand.max_key = chunk_max;
     }
   });
 }
@@ -212,7 +253,7 @@ struct PayloadWriter {
 
 int64_t total_candidates(const std::vector<Candidates>& cands) {
   int64_t c = 0;
-  for (const Candidates& cd : cands) c += (int64_t)cd.index.size();
+  for (const Candidates& cd : cands) c += cd.index.size();
   return c;
 }
 
@@ -225,17 +266,9 @@ uint32_t kth_largest_key(const std::vector<Candidates>& cands, int64_t k, uint32
   const int64_t nc = (int64_t)cands.size();
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nc));
   auto part_range = [&](int64_t p) { return std::make_pair(p * nc / parts, (p + 1) * nc / parts); };
-  std::vector<uint32_t> part_max(parts, lo);
-  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      uint32_t m = lo;
-      for (int64_t c = part_range(p).first; c < part_range(p).second; ++c) {
-        for (uint32_t b : cands[c].bits) m = std::max(m, b & 0x7FFFFFFFu);
-      }
-      part_max[p] = m;
-    }
-  });
-  const uint32_t span = *std::max_element(part_max.begin(), part_max.end()) - lo;
+  uint32_t top = lo;
+  for (const Candidates& cd : cands) top = std::max(top, cd.max_key);
+  const uint32_t span = top - lo;
   int shift = 0;
   while ((int64_t)(span >> shift) >= kBins) ++shift;
 
@@ -301,7 +334,7 @@ void emit_best(const std::vector<Candidates>& cands, int64_t k, uint32_t lo,
   at::parallel_for(0, nc, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       int64_t o = out_at[c], taken = 0;
-      for (size_t j = 0; j < cands[c].bits.size(); ++j) {
+      for (int64_t j = 0; j < cands[c].bits.size(); ++j) {
         const uint32_t kb = cands[c].bits[j] & 0x7FFFFFFFu;
         const bool win = kb > t || (kb == t && taken++ < tie_take[c]);
         if (win) w.put(o++, cands[c].index[j], bits_float(cands[c].bits[j]));
@@ -317,7 +350,7 @@ void emit_padded(const std::vector<Candidates>& cands, int64_t k, const PayloadW
                  const EFn& e_at) {
   int64_t pads = k - total_candidates(cands), o = 0, i = 0;
   for (const Candidates& cd : cands) {
-    for (size_t j = 0; j < cd.index.size(); ++j) {
+    for (int64_t j = 0; j < cd.index.size(); ++j) {
       for (; i < cd.index[j] && pads > 0; ++i, --pads) w.put(o++, i, e_at(i));
       w.put(o++, cd.index[j], bits_float(cd.bits[j]));
       i = cd.index[j] + 1;
