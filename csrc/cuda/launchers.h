@@ -74,5 +74,69 @@ cudaError_t launch_dequantize_sum_requantize(const PayloadRows& p, float* residu
 cudaError_t launch_multi_tensor_copy(uint8_t* flat, int64_t count, void* const* ptrs,
                                      const int64_t* offsets, bool to_flat, cudaStream_t stream);
 
+// ---------------------------------------------------------------------------------------
+// Sparsification family (csrc/numerics.h "Sparsification"). 1 <= k <= n <= 2^31 - 1.
+// ---------------------------------------------------------------------------------------
+
+// topk_compress in phases, so the binding can size the candidate buffers with torch's
+// allocator: scan (sample threshold, fused EF add, candidate count), read the count (the one
+// host synchronization), then either padded (approximate mode, fewer than k candidates) or
+// select (after all_candidates when exact mode got fewer than k).
+struct TopkArgs {
+  const void* x;
+  FloatType x_type;
+  float* residual;  // nullptr: no error feedback
+  int64_t n;
+  int64_t k;
+  uint64_t rng_key;     // numerics.h rng_key(seed, step)
+  int64_t samples;      // topk_sample_count(n)
+  int64_t sample_rank;  // topk_approx_rank or topk_exact_rank
+  FloatType value_type;
+  uint8_t* out;  // topk_payload_bytes(k, value bytes), 4-byte aligned
+};
+
+int64_t topk_workspace_bytes(int64_t n);
+int64_t topk_select_workspace_bytes(int64_t candidates);
+cudaError_t launch_topk_scan(const TopkArgs& a, void* workspace, cudaStream_t stream);
+cudaError_t topk_read_candidates(void* workspace, int64_t* candidates, cudaStream_t stream);
+cudaError_t launch_topk_padded(const TopkArgs& a, void* workspace, int64_t candidates,
+                               cudaStream_t stream);
+// Exact mode's fallback: threshold 0, every entry a candidate (n of them).
+cudaError_t launch_topk_all_candidates(const TopkArgs& a, void* workspace, cudaStream_t stream);
+// cand_bits / cand_index hold `candidates` entries; select_workspace is
+// topk_select_workspace_bytes(candidates) bytes, 8-byte aligned.
+cudaError_t launch_topk_select(const TopkArgs& a, void* workspace, int64_t candidates,
+                               uint32_t* cand_bits, int32_t* cand_index, void* select_workspace,
+                               cudaStream_t stream);
+
+// sparse_accumulate: rows of [k int32 indices][k values], row r at data + r * row_bytes.
+struct SparsePayloads {
+  const uint8_t* data;
+  int64_t rows;
+  int64_t row_bytes;
+  int64_t k;
+  int64_t numel;
+  FloatType value_type;
+};
+
+int64_t sparse_tiles(int64_t numel);
+// bad: rows int32 preset to INT32_MAX, left there for a valid row, else the first bad
+// position; start: rows * (sparse_tiles(numel) + 1) int32 (the tile boundary table).
+cudaError_t launch_sparse_index(const SparsePayloads& p, int32_t* bad, int32_t* start,
+                                cudaStream_t stream);
+// Only after launch_sparse_index found every row valid.
+cudaError_t launch_sparse_accumulate(const SparsePayloads& p, const int32_t* start, int64_t divisor,
+                                     void* out, FloatType out_type, cudaStream_t stream);
+
+// randk: values (k floats) of e = x (+ residual; residual becomes e, 0 at the sent
+// entries), all NaN when any e is non-finite. flag: one int of device scratch.
+cudaError_t launch_randk_compress(const void* x, FloatType x_type, float* residual, int64_t n,
+                                  int64_t k, uint64_t key, float* values, int* flag,
+                                  cudaStream_t stream);
+// out (numel elements of out_type) = 0, values / divisor at the random-k indices.
+cudaError_t launch_randk_decompress(const float* values, int64_t numel, int64_t k, uint64_t key,
+                                    int64_t divisor, void* out, FloatType out_type,
+                                    cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace ddpcomm

@@ -7,8 +7,9 @@ For every op and size, these are measured side by side in one run on one device:
   written): the memory-bandwidth limit the op is judged against,
 - the pure-torch reference (``ddpcomm.reference``), run on the GPU by making CUDA the
   default device for its factory calls,
-- where torch has its own way to do the job, that too (flatten / unflatten:
-  ``torch._utils._flatten_dense_tensors`` and its unflatten + copy loop).
+- where torch has its own way to do the job, that too (top-k: ``torch.topk`` of |e|;
+  flatten / unflatten: ``torch._utils._flatten_dense_tensors`` and its unflatten + copy
+  loop).
 
 Timing: CUDA events around each call, after warm-up, median of many calls. The GPU is
 first given a spin kernel (``torch.cuda._sleep``) so the calls queue up behind it and the
@@ -31,7 +32,8 @@ import torch
 from ddpcomm import ops as native
 from ddpcomm import reference
 
-# Quantizer ops take a ":q<bits>" suffix; flatten / unflatten a ":<tensors>" count.
+# Quantizer ops take a ":q<bits>" suffix; top-k / random-k / sparse_accumulate a ":<ratio>"
+# (k = ceil(ratio * n)); flatten / unflatten a ":<tensors>" count.
 QUANT_OPS = [
     "quantize",
     "quantize_ef",
@@ -40,8 +42,9 @@ QUANT_OPS = [
     "dequantize_sum",
     "dequantize_sum_requantize",
 ]
+SPARSE_OPS = ["topk", "topk_approx", "sparse_accumulate", "randk"]
 FLATTEN_OPS = ["flatten", "unflatten"]
-OPS = QUANT_OPS + FLATTEN_OPS
+OPS = QUANT_OPS + SPARSE_OPS + FLATTEN_OPS
 DEFAULT_OPS = [
     "quantize:q8",
     "quantize_ef:q8",
@@ -51,6 +54,10 @@ DEFAULT_OPS = [
     "dequantize:q8",
     "dequantize_sum:q8",
     "dequantize_sum_requantize:q8",
+    "topk:0.01",
+    "topk_approx:0.01",
+    "sparse_accumulate:0.01",
+    "randk:0.01",
     "flatten:1000",
     "unflatten:1000",
 ]
@@ -62,13 +69,15 @@ def _parse(spec: str) -> tuple[str, float]:
     try:
         if name in QUANT_OPS and arg in ("q1", "q2", "q4", "q8"):
             return name, int(arg[1:])
+        if name in SPARSE_OPS and 0 < float(arg) <= 1:
+            return name, float(arg)
         if name in FLATTEN_OPS and int(arg) >= 1:
             return name, int(arg)
     except ValueError:
         pass
     raise ValueError(
         f"ops: unknown op {spec!r}; expected <op>:q<bits> for {QUANT_OPS} (bits 1, 2, 4, 8), "
-        f"<op>:<tensors> for {FLATTEN_OPS}"
+        f"<op>:<ratio in (0, 1]> for {SPARSE_OPS}, <op>:<tensors> for {FLATTEN_OPS}"
     )
 
 
@@ -125,6 +134,45 @@ class _Case:
             impl.dequantize_sum_requantize(inp["p"], inp["res"], n, b, B, self.rows)
 
 
+class _SparseCase:
+    """top-k (exact / approximate) and random-k with error feedback, and sparse_accumulate
+    of `rows` top-k payloads; torch's baseline is torch.topk of |e|."""
+
+    def __init__(self, name: str, ratio: float, numel: int, rows: int, device):
+        self.name, self.numel, self.rows, self.device = name, numel, rows, device
+        self.block = 0
+        self.k = max(1, math.ceil(ratio * numel))
+        n4, k8 = 4 * numel, 8 * self.k
+        self.bytes = {
+            "topk": 3 * n4 + k8,  # read x, read + write residual, write k (index, value)
+            "topk_approx": 3 * n4 + k8,
+            "randk": 3 * n4 + 4 * self.k,
+            "sparse_accumulate": rows * k8 + n4,  # read the rows, write the dense sum
+        }[name]
+
+    def make_inputs(self, seed: int) -> dict:
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        x = torch.randn(self.numel, device=self.device, generator=g)
+        if self.name != "sparse_accumulate":
+            return {"x": x, "res": torch.zeros_like(x)}
+        rows = [native.topk_compress(x * (r + 1) + r, None, self.k) for r in range(self.rows)]
+        return {"p": torch.stack(rows)}
+
+    def call(self, impl, inp: dict) -> None:
+        n, k = self.numel, self.k
+        if self.name in ("topk", "topk_approx"):
+            impl.topk_compress(inp["x"], inp["res"], k, self.name == "topk_approx", 1, 2)
+        elif self.name == "randk":
+            impl.randk_compress(inp["x"], inp["res"], k, 1, 2, 3)
+        else:
+            impl.sparse_accumulate(inp["p"], n, k, self.rows, torch.float32, torch.float32)
+
+    def torch_call(self, inp: dict):
+        if self.name in ("topk", "topk_approx"):
+            return lambda: torch.topk((inp["x"] + inp["res"]).abs(), self.k, sorted=False)
+        return None
+
+
 class _FlattenCase:
     """flatten / unflatten_into of `count` tensors totalling the size; torch's baseline is
     torch._utils._flatten_dense_tensors (one torch.cat) / its unflatten + copy_ loop."""
@@ -165,6 +213,8 @@ class _FlattenCase:
 def _make_case(name: str, arg, numel: int, block: int, rows: int, device):
     if name in QUANT_OPS:
         return _Case(name, arg, numel, block, rows, device)
+    if name in SPARSE_OPS:
+        return _SparseCase(name, arg, numel, rows, device)
     return _FlattenCase(name, arg, numel, device)
 
 
