@@ -23,13 +23,17 @@ from tests.dist_utils import run_ranks
 pytestmark = needs_cuda
 
 STEPS = 3
-# (spec, options): every bit width, both algorithms, error feedback, stochastic rounding.
+# (spec, options): every bit width, both algorithms, error feedback, stochastic rounding;
+# top-k (exact, approximate with fp16 values) and random-k with error feedback.
 CONFIGS = [
     ("q8", dict(algorithm="all_gather")),
     ("q8", dict(algorithm="two_phase", error_feedback=True)),
     ("q4", dict(algorithm="two_phase", stochastic=True, error_feedback=True, seed=3)),
     ("q2", dict(block_size=64)),
     ("q1", dict(block_size=1024, algorithm="all_gather")),
+    ("topk:0.05", dict()),
+    ("topk:0.05", dict(approximate=True, value_dtype=torch.float16)),
+    ("randk:0.05", dict(seed=5)),
 ]
 
 
