@@ -170,9 +170,23 @@ def wire_bytes_rows(numel: int, bits: int, block: int) -> list[dict]:
     return rows
 
 
+def run_cuda(sizes: list[int]) -> int:
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    if not ops.build_info()["cuda"]:
+        raise SystemExit("--device cuda: ddpcomm was built without its CUDA ops")
+    from ddpcomm.bench import cuda_kernels
+
+    cuda_kernels.print_table(cuda_kernels.run(sizes))
+    return 0
+
+
 def run(args) -> int:
+    default = "4,64,256" if args.device == "cpu" else "4,16,64,256,1024"
+    sizes = [int(s) for s in (args.sizes or default).split(",")]
+    if args.device == "cuda":
+        return run_cuda(sizes)
     torch.set_num_threads(args.threads)
-    sizes = [int(s) for s in args.sizes.split(",")]
     print(
         f"ddpcomm kernels on CPU, {torch.get_num_threads()} threads, block {args.block}; "
         f"op and copy run alternately {args.repeats} times; % copy is the median of the "
@@ -229,7 +243,13 @@ def run(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("kernels", help="native op GB/s vs a plain copy and the reference")
-    p.add_argument("--sizes", default="4,64,256", help="MB of fp32 input, comma-separated")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--sizes",
+        default=None,
+        help="MB of fp32 input, comma-separated "
+        "(default 4,64,256 on CPU; 4,16,64,256,1024 on CUDA)",
+    )
     p.add_argument("--block", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=11)
