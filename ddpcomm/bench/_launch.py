@@ -58,6 +58,7 @@ def _tail(path: str, lines: int = 15) -> str:
 
 
 _EXC = re.compile(r"\b([A-Z]\w*(?:Error|Exception|Interrupt))(?:: (.*)|\s*$)")
+_SECONDARY = re.compile(r"Connection (reset|closed) by peer|Broken pipe")
 _CALLBACK = "Got the following error when running the callback: "
 _AT_FRAME = re.compile(r"^\s*(\S+\.py)\((\d+)\): (\S+)")
 _FILE_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
@@ -71,6 +72,10 @@ def failure_reason(log: str) -> str | None:
     tracebacks list frames before the exception line. None when the log has no exception.
     """
     lines = [re.sub(r"^\[rank\d+\]:\s?", "", ln) for ln in log.splitlines()]
+    # A C++ exception that escaped (std::terminate) prints "what(): ..." and no traceback.
+    what = [ln.split("what():", 1)[1].strip() for ln in lines if "what():" in ln]
+    if what:
+        return f"C++ abort: {what[-1]}"
     idx = next((i for i in range(len(lines) - 1, -1, -1) if _EXC.search(lines[i])), None)
     if idx is None:
         return None
@@ -190,6 +195,8 @@ def _watch(procs, logs, events_path, cases, case_timeout) -> Outcome:
                 current = None
             elif ev["event"] == "note":
                 progress(ev["label"])
+                if current is not None:  # a heartbeat: the case is making progress
+                    deadline = time.monotonic() + case_timeout(current)
             elif ev["event"] == "info":
                 outcome.info.append(ev["info"])
         if all(c == 0 for c in codes):
@@ -205,6 +212,9 @@ def _watch(procs, logs, events_path, cases, case_timeout) -> Outcome:
             # without one (a C++ abort) only says it exited.
             reasons = [(r, failure_reason(_tail(logs[r], 200))) for r in range(len(procs))]
             found = [(r, why) for r, why in reasons if why]
+            # A rank that only saw its peer vanish is a symptom; prefer the peer's cause.
+            primary = [(r, why) for r, why in found if not _SECONDARY.search(why)]
+            found = primary or found
             if found:
                 reason = f"{found[0][1]} (rank {found[0][0]})"
             else:

@@ -50,6 +50,11 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line, "-" * len(line)] + [_line(r, widths) for r in rows])
 
 
+def short(reason: str, width: int = 110) -> str:
+    """The table keeps one line per row; --json has the full reason."""
+    return reason if len(reason) <= width else reason[: width - 3] + "..."
+
+
 def _mb(b) -> str:
     return "-" if b is None else f"{b / 1e6:.3f}" if b < 1e6 else f"{b / 1e6:.1f}"
 
@@ -93,10 +98,7 @@ def print_collectives(rows: list[dict], env: dict) -> None:
             plain_b = fb("allreduce", [(r["numel"],)], r["world"])
             ideal = f"{plain_b / r['formula_bytes']:.1f}x" if r["formula_bytes"] else "-"
         speed = f"{base['median_s'] / r['median_s']:.2f}x" if ok and base else "-"
-        reason = r.get("reason", "")
-        # The table keeps one line per row; --json has the full reason.
-        reason = reason if len(reason) <= 110 else reason[:107] + "..."
-        status = "ok" if ok else f"{r['status']}: {reason}"
+        status = "ok" if ok else f"{r['status']}: {short(r.get('reason', ''))}"
         if ok and not r.get("ranks_identical", True):
             status = "ok (ranks differ)"
         body.append(

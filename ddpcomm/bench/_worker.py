@@ -99,12 +99,22 @@ def link_check(device: torch.device, mbytes: int, ev: EventWriter) -> float | No
     return med.item()
 
 
+_events: EventWriter | None = None
+
+
+def note(label: str) -> None:
+    """A progress line from rank 0 (also a heartbeat: the watchdog restarts its clock)."""
+    if _events is not None:
+        _events.note(label)
+
+
 def run(run_case: Callable[[dict, dict, torch.device], dict]) -> None:
     """Entry point of a spawned rank: every case in order, results to rank 0's events."""
     cfg = load_config()
     common = cfg["common"]
     rank, world, device = init_group(common)
-    ev = EventWriter(cfg["events"], rank)
+    global _events
+    ev = _events = EventWriter(cfg["events"], rank)
     if common.get("link_check_mb"):
         rate = link_check(device, int(common["link_check_mb"]), ev)
         if rank == 0:
