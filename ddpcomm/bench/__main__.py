@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # Command modules, in the order `--help` lists them.
-COMMANDS = ["demo", "kernels"]
+COMMANDS = ["demo", "kernels", "collectives", "train"]
 
 
 def main(argv: list[str] | None = None) -> int:
