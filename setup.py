@@ -2,6 +2,7 @@
 
 import glob
 import os
+import platform
 import shutil
 
 import torch
@@ -25,10 +26,18 @@ def _want_cuda():
     return True, f"torch {torch.__version__} with CUDA {torch.version.cuda}"
 
 
+def _cpu_arch():
+    """x86-64-v2 (SSE4.2, every x86 server CPU since 2009) lets the byte and float loops
+    vectorize with min/max and rounding instructions; DDPCOMM_CPU_ARCH overrides it
+    (e.g. "native"), an empty value keeps the compiler's default."""
+    arch = os.environ.get("DDPCOMM_CPU_ARCH", "x86-64-v2" if platform.machine() == "x86_64" else "")
+    return [f"-march={arch}"] if arch else []
+
+
 cuda, why = _want_cuda()
 print(f"ddpcomm: building {'CPU + CUDA' if cuda else 'CPU-only'} ops ({why})")
 
-cxx = ["-O3", "-fopenmp", "-ffp-contract=off"]
+cxx = ["-O3", "-fopenmp", "-ffp-contract=off"] + _cpu_arch()
 sources = _sources("csrc/ddpcomm.cpp") + _sources("csrc/cpu/*.cpp")
 if cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")

@@ -46,6 +46,18 @@ inline void check_quantize_args(const at::Tensor& x, const std::optional<at::Ten
   check_residual(residual, x.numel(), x.device(), op);
 }
 
+// An output tensor given by the caller: exact dtype, device, contiguous, and at least
+// `numel` elements (quantize writes the first payload_bytes of a larger buffer).
+inline void check_out(const at::Tensor& out, at::ScalarType dtype, int64_t numel,
+                      const at::Device& device, const char* op) {
+  TORCH_CHECK(out.scalar_type() == dtype, op, ": out must be ", dtype, ", got ", out.scalar_type());
+  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
+  TORCH_CHECK(out.numel() >= numel, op, ": out must hold at least ", numel, " elements, got ",
+              out.numel());
+  TORCH_CHECK(out.device() == device, op, ": out is on ", out.device(), " but the input is on ",
+              device);
+}
+
 // `payloads` is one packed payload (dims 1) or N of them stacked as [N, bytes] (dims 2).
 inline void check_payloads(const at::Tensor& payloads, int64_t dims, int64_t numel, int64_t bits,
                            int64_t block_size, at::ScalarType dtype, const char* op) {

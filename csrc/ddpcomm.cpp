@@ -20,6 +20,15 @@ TORCH_LIBRARY(ddpcomm, m) {
       "dequantize_sum_requantize(Tensor payloads, Tensor(a!)? residual, int numel, int bits, "
       "int block_size, int divisor, bool stochastic=False, int seed=0, int step=0, "
       "int rng_offset=0) -> Tensor");
+  // Out-variants: write into caller-owned buffers (no allocation, no first-touch page
+  // faults on every call). dequantize_* take numel and dtype from `out`.
+  m.def(
+      "quantize_into(Tensor x, Tensor(a!)? residual, Tensor(b!) out, int bits, int block_size, "
+      "bool stochastic=False, int seed=0, int step=0, int rng_offset=0) -> ()");
+  m.def("dequantize_into(Tensor packed, Tensor(a!) out, int bits, int block_size) -> ()");
+  m.def(
+      "dequantize_sum_into(Tensor payloads, Tensor(a!) out, int bits, int block_size, "
+      "int divisor) -> ()");
 }
 
 namespace {

@@ -146,6 +146,28 @@ class ResidualMemory:
         self.signatures = dict(sd["signatures"])
 
 
+class Workspace:
+    """Reusable uint8 buffers keyed by (name, bucket key).
+
+    A fresh multi-megabyte tensor costs more in first-touch page faults than the kernel
+    that fills it, so payload buffers live as long as their bucket. A key's buffers are
+    reused by its next call: callers must not overlap two calls with the same key (DDP
+    never does: a bucket's next reduction starts after its previous one finished).
+    """
+
+    __slots__ = ("buffers",)
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, name: str, key, nbytes: int, device) -> torch.Tensor:
+        buf = self.buffers.get((name, key))
+        if buf is None or buf.numel() != nbytes or buf.device != torch.device(device):
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self.buffers[(name, key)] = buf
+        return buf
+
+
 @dataclass
 class ReduceContext:
     """Everything an algorithm needs beyond the tensor and the method."""
@@ -156,10 +178,17 @@ class ReduceContext:
     step: int = 0
     signature: object = None
     stats: Stats = field(default_factory=Stats)
+    workspace: Workspace | None = None
 
     @property
     def pg(self) -> dist.ProcessGroup:
         return self.group if self.group is not None else dist.group.WORLD
+
+    def buffer(self, name: str, nbytes: int, device) -> torch.Tensor:
+        """A uint8 scratch buffer: the workspace's for this key, or a new one."""
+        if self.workspace is None:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self.workspace.get(name, self.key, nbytes, device)
 
     def residual(self, kind: str, numel: int, device) -> torch.Tensor:
         if self.memory is None:
@@ -259,9 +288,8 @@ def register_algorithm(cls: type, fn: Callable[[torch.Tensor, Compressor, Reduce
 def all_reduce_mean(flat: torch.Tensor, compressor: Compressor, ctx: ReduceContext) -> Future:
     """Mean over the ranks of ``ctx.group`` of the 1-D tensor ``flat``, compressed.
 
-    ``flat`` may be overwritten (it is used as scratch, as DDP's hooks do with the bucket
-    buffer). Returns a Future of a tensor of ``flat``'s dtype and size, bitwise identical
-    on every rank.
+    ``flat`` is overwritten: the Future's value is a tensor of ``flat``'s dtype and size
+    (``flat`` itself, or for casts a new tensor), bitwise identical on every rank.
     """
     if flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError("all_reduce_mean takes a contiguous 1-D tensor")
@@ -274,8 +302,10 @@ def all_reduce_mean(flat: torch.Tensor, compressor: Compressor, ctx: ReduceConte
 
 def _plain(flat: torch.Tensor, _: Compressor, ctx: ReduceContext) -> Future:
     world = dist.get_world_size(ctx.pg)
-    # Divide first, as DDP does, so fp16 buckets do not overflow in the sum.
-    flat.div_(world)
+    # Scale by 1/N before the sum, exactly as DDP's reducer does when it copies gradients
+    # into a bucket (multiplying by the reciprocal, not dividing): the lossless path is
+    # then bitwise DDP's default, and fp16 buckets do not overflow in the sum.
+    flat.mul_(1.0 / world)
     ctx.stats.record("plain", dense_bytes(flat.numel(), world, flat.element_size()),
                      dense_bytes(flat.numel(), world, flat.element_size()))
     work = dist.all_reduce(flat, group=ctx.pg, async_op=True)
@@ -283,7 +313,7 @@ def _plain(flat: torch.Tensor, _: Compressor, ctx: ReduceContext) -> Future:
 
 
 def plain_all_reduce(flat: torch.Tensor, ctx: ReduceContext) -> Future:
-    """The lossless path: all_reduce of ``flat / N``."""
+    """The lossless path: all_reduce of ``flat * (1/N)``, bitwise DDP's default."""
     return _plain(flat, NoCompression(), ctx)
 
 
@@ -321,11 +351,12 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     residual = ctx.residual("q", n, flat.device) if q.error_feedback else None
     seed = _stream_seed(q.seed, ctx.key)
+    size = q.payload_bytes(n)
+    packed = ctx.buffer("send", size, flat.device)
     with _Timer(ctx.stats):
-        packed = ops.quantize(flat, residual, q.bits, q.block_size, q.stochastic, seed,
-                              ctx.step, rank * n)
-    size = packed.numel()
-    gathered = torch.empty(world * size, dtype=torch.uint8, device=flat.device)
+        ops.quantize(flat, residual, q.bits, q.block_size, q.stochastic, seed, ctx.step,
+                     rank * n, out=packed)
+    gathered = ctx.buffer("gather", world * size, flat.device)
     ctx.stats.record("q_all_gather", (world - 1) * size,
                      dense_bytes(n, world, flat.element_size()))
     work = _all_gather_single(gathered, packed, group=pg, async_op=True)
@@ -336,7 +367,7 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
         fut.wait()
         with _Timer(ctx.stats):
             out = ops.dequantize_sum(gathered.view(world, size), n, q.bits, q.block_size,
-                                     world, flat.dtype)
+                                     world, flat.dtype, out=flat)
             # Every rank sees every payload, so all agree on whether the step was finite.
             if residual is not None and not _blocks_finite(gathered, world * records, rec):
                 ctx.memory.reset(ctx.key)
@@ -366,23 +397,25 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
     stride = 2 * world * chunk
     residual = ctx.residual("q", n, flat.device) if q.error_feedback else None
     owner_residual = ctx.residual("q_owner", my_numel, flat.device) if q.error_feedback else None
+    packed = ctx.buffer("send", records * rec, flat.device)
     with _Timer(ctx.stats):
-        packed = ops.quantize(flat, residual, bits, block, q.stochastic, seed, ctx.step,
-                              rank * stride)
-    received = torch.empty(world * mine, dtype=torch.uint8, device=flat.device)
+        ops.quantize(flat, residual, bits, block, q.stochastic, seed, ctx.step, rank * stride,
+                     out=packed)
+    received = ctx.buffer("receive", world * mine, flat.device)
     ctx.stats.record("q_two_phase", sum(splits) - mine + (world - 1) * chunk_bytes,
                      dense_bytes(n, world, flat.element_size()))
     work = dist.all_to_all_single(received, packed, [mine] * world, splits, group=pg,
                                   async_op=True)
     ticket = seq.ticket()
     result: Future = Future()
-    gathered = torch.empty(world * chunk_bytes, dtype=torch.uint8, device=flat.device)
+    gathered = ctx.buffer("gather", world * chunk_bytes, flat.device)
+    send = ctx.buffer("send2", chunk_bytes, flat.device)
 
     def finish(fut):
         try:
             fut.wait()
             with _Timer(ctx.stats):
-                out = ops.dequantize(gathered, n, bits, block, flat.dtype)
+                out = ops.dequantize(gathered, n, bits, block, flat.dtype, out=flat)
                 if q.error_feedback and not _blocks_finite(gathered, world * per_chunk, rec):
                     ctx.memory.reset(ctx.key)
             result.set_result(out)
@@ -390,7 +423,6 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
             result.set_exception(exc)
 
     def owner_step(fut):
-        send = torch.zeros(chunk_bytes, dtype=torch.uint8, device=flat.device)
         error = None
         try:
             fut.wait()
@@ -399,6 +431,7 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
                     received.view(world, mine), owner_residual, my_numel, bits, block, world,
                     q.stochastic, seed, ctx.step, rank * stride + world * chunk + rank * chunk)
             send[: reduced.numel()] = reduced
+            send[reduced.numel():] = 0  # short trailing chunks: zero records, never read
         except Exception as exc:  # noqa: BLE001
             # Still take part in phase 2 so no peer hangs; all-ones bytes make NaN
             # magnitudes, so every rank's result is non-finite, and this rank raises.

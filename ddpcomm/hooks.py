@@ -13,13 +13,12 @@ model its own default state, so two models in one process never share buffers.
 """
 
 
-import weakref
-
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ddpcomm import collectives
-from ddpcomm.collectives import ReduceContext, ResidualMemory, Stats
+from ddpcomm.collectives import ReduceContext, ResidualMemory, Stats, Workspace
 from ddpcomm.compressors import Compressor, Quantizer, check_float_tensor
 
 
@@ -42,7 +41,7 @@ class CompressionState:
     """
 
     __slots__ = ("compressor", "start_iter", "min_numel", "process_group", "iteration",
-                 "memory", "_stats", "_verified", "__weakref__")
+                 "memory", "workspace", "_stats", "_verified", "__weakref__")
 
     def __init__(self, compressor: Compressor, start_iter: int = 0, min_numel: int = 0,
                  process_group: dist.ProcessGroup | None = None) -> None:
@@ -56,6 +55,7 @@ class CompressionState:
         self.process_group = process_group
         self.iteration = 0
         self.memory = ResidualMemory()
+        self.workspace = Workspace()
         self._stats = Stats()
         self._verified = False
 
@@ -141,8 +141,8 @@ class QuantizeState(CompressionState):
 
 # Parameter -> the default state of the model it belongs to. A hook cannot see its DDP
 # module, but a bucket's parameters belong to exactly one model; weak keys let a deleted
-# model's state go with it.
-_DEFAULT_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model's state go with it (keyed by identity: tensors compare elementwise).
+_DEFAULT_STATES = WeakIdKeyDictionary()
 
 
 def default_state(bucket: dist.GradBucket, factory) -> CompressionState:
@@ -162,7 +162,10 @@ def default_state(bucket: dist.GradBucket, factory) -> CompressionState:
 
 
 def _signature(bucket: dist.GradBucket) -> tuple:
-    return tuple(id(p) for p in bucket.parameters())
+    """The bucket's layout: its parameters' shapes in order. Portable across processes (a
+    resumed run must recognise its residuals), and it changes when DDP rebuilds a bucket
+    from other parameters."""
+    return tuple(tuple(p.shape) for p in bucket.parameters())
 
 
 # --------------------------------------------------------------------------------------
@@ -177,7 +180,7 @@ def run_compressed_hook(state: CompressionState, bucket: dist.GradBucket):
     check_float_tensor(buffer, "bucket")
     ctx = ReduceContext(group=state.process_group, memory=state.memory, key=bucket.index(),
                         step=state.iteration, signature=_signature(bucket),
-                        stats=state._stats)
+                        stats=state._stats, workspace=state.workspace)
     if state.iteration < state.start_iter or buffer.numel() < state.min_numel:
         fut = collectives.plain_all_reduce(buffer, ctx)
     else:

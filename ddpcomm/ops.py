@@ -48,23 +48,47 @@ def quantize(
     seed: int = 0,
     step: int = 0,
     rng_offset: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Packs ``x`` (+ ``residual``, updated in place) into one uint8 payload."""
-    return _ops.quantize(x, residual, bits, block_size, stochastic, seed, step, rng_offset)
+    """Packs ``x`` (+ ``residual``, updated in place) into one uint8 payload.
+
+    With ``out`` (uint8, at least ``payload_bytes`` long) the payload is written there and
+    ``out`` is returned: reusing a buffer saves an allocation and its page faults per call.
+    """
+    if out is None:
+        return _ops.quantize(x, residual, bits, block_size, stochastic, seed, step, rng_offset)
+    _ops.quantize_into(x, residual, out, bits, block_size, stochastic, seed, step, rng_offset)
+    return out
 
 
 def dequantize(
-    packed: torch.Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype
+    packed: torch.Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return _ops.dequantize(packed, numel, bits, block_size, dtype)
+    """The ``numel`` values a payload encodes, in ``dtype`` (or written into ``out``)."""
+    if out is None:
+        return _ops.dequantize(packed, numel, bits, block_size, dtype)
+    _check_out(out, numel, dtype, "dequantize")
+    _ops.dequantize_into(packed, out, bits, block_size)
+    return out
 
 
 def dequantize_sum(
     payloads: torch.Tensor, numel: int, bits: int, block_size: int, divisor: int,
-    dtype: torch.dtype,
+    dtype: torch.dtype, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row-order fp32 sum of the [N, P] payloads' values, divided by ``divisor``."""
-    return _ops.dequantize_sum(payloads, numel, bits, block_size, divisor, dtype)
+    if out is None:
+        return _ops.dequantize_sum(payloads, numel, bits, block_size, divisor, dtype)
+    _check_out(out, numel, dtype, "dequantize_sum")
+    _ops.dequantize_sum_into(payloads, out, bits, block_size, divisor)
+    return out
+
+
+def _check_out(out: torch.Tensor, numel: int, dtype: torch.dtype, op: str) -> None:
+    if out.numel() != numel or out.dtype != dtype:
+        raise ValueError(f"{op}: out must have {numel} elements of {dtype}, got "
+                         f"{out.numel()} of {out.dtype}")
 
 
 def dequantize_sum_requantize(
@@ -98,6 +122,21 @@ def _(packed, numel, bits, block_size, dtype):
 @torch.library.register_fake("ddpcomm::dequantize_sum")
 def _(payloads, numel, bits, block_size, divisor, dtype):
     return payloads.new_empty(numel, dtype=dtype)
+
+
+@torch.library.register_fake("ddpcomm::quantize_into")
+def _(x, residual, out, bits, block_size, stochastic=False, seed=0, step=0, rng_offset=0):
+    return None
+
+
+@torch.library.register_fake("ddpcomm::dequantize_into")
+def _(packed, out, bits, block_size):
+    return None
+
+
+@torch.library.register_fake("ddpcomm::dequantize_sum_into")
+def _(payloads, out, bits, block_size, divisor):
+    return None
 
 
 @torch.library.register_fake("ddpcomm::dequantize_sum_requantize")

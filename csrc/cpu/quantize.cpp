@@ -21,35 +21,33 @@ namespace {
 // Blocks per parallel_for task: enough work to amortize the task, small enough to balance.
 int64_t grain_blocks(int64_t block) { return std::max<int64_t>(1, (1 << 16) / block); }
 
-struct Levels {
-  float v[256];
-  explicit Levels(int bits) {
-    for (uint32_t c = 0; c < (1u << bits); ++c) v[c] = bits == 1 ? 0.0f : level_value(c, bits);
-  }
-};
-
 // Encodes one staged block `e` (B values, zero past `valid`) into `record`; when `deq` is
 // given, writes the dequantized values of the first `valid` elements there.
 template <int kBits, bool kStochastic>
 void encode_block(const float* e, int64_t valid, int64_t B, uint8_t* record, float* deq,
-                  const Levels& lv, uint64_t key, int64_t index0, float* scratch,
-                  uint8_t* codes) {
-  bool finite = true;
-  float m = 0.0f;
+                  uint64_t key, int64_t index0, float* scratch, uint8_t* codes) {
+  float m;
+  uint32_t nonfinite = 0;
   if (kBits == 1 && !kStochastic) {
     for (int64_t j = 0; j < B; ++j) {
       scratch[j] = fabsf(e[j]);
-      finite &= is_finite(e[j]);
+      nonfinite |= (uint32_t)!is_finite(e[j]);
     }
-    m = meanabs(block_tree_sum(scratch, B), valid);
+    m = valid > 0 ? meanabs(block_tree_sum(scratch, B), valid) : 0.0f;
   } else {
+    // |x| compared as its bit pattern: for non-negative floats the integer order is the
+    // float order, and an integer max reduction vectorizes where a float one may not.
+    uint32_t mbits = 0;
     for (int64_t j = 0; j < B; ++j) {
-      const float a = fabsf(e[j]);
-      m = a > m ? a : m;
-      finite &= is_finite(e[j]);
+      uint32_t u;
+      std::memcpy(&u, &e[j], sizeof(u));
+      u &= 0x7FFFFFFFu;
+      nonfinite |= (uint32_t)(u >= 0x7F800000u);
+      mbits = u > mbits ? u : mbits;
     }
+    std::memcpy(&m, &mbits, sizeof(m));
   }
-  if (!finite) m = NAN;
+  if (nonfinite) m = NAN;
   std::memcpy(record, &m, sizeof(float));
 
   if (block_is_degenerate(m)) {
@@ -71,12 +69,15 @@ void encode_block(const float* e, int64_t valid, int64_t B, uint8_t* record, flo
     out[k] = (uint8_t)byte;
   }
   if (deq != nullptr) {
-    for (int64_t j = 0; j < valid; ++j) deq[j] = dequantize_one(codes[j], m, lv.v[codes[j]], kBits);
+    for (int64_t j = 0; j < valid; ++j) {
+      const float level = kBits == 1 ? 0.0f : level_value(codes[j], kBits);
+      deq[j] = dequantize_one(codes[j], m, level, kBits);
+    }
   }
 }
 
-using EncodeFn = void (*)(const float*, int64_t, int64_t, uint8_t*, float*, const Levels&,
-                          uint64_t, int64_t, float*, uint8_t*);
+using EncodeFn = void (*)(const float*, int64_t, int64_t, uint8_t*, float*, uint64_t, int64_t,
+                          float*, uint8_t*);
 
 EncodeFn pick_encoder(int bits, bool stochastic) {
 #define DDPC_ENC(b) stochastic ? &encode_block<b, true> : &encode_block<b, false>
@@ -89,15 +90,33 @@ EncodeFn pick_encoder(int bits, bool stochastic) {
 #undef DDPC_ENC
 }
 
-// Adds the values of one block record to `acc` (first `valid` elements).
-void accumulate_record(const uint8_t* record, int64_t valid, int bits, const Levels& lv,
-                       float* acc) {
+// Adds the values of one block record to `acc` (first `valid` elements). Codes are
+// unpacked into `codes` first so both loops are plain and vectorize.
+template <int kBits>
+void accumulate_record(const uint8_t* record, int64_t valid, float* acc, uint8_t* codes) {
   float m;
   std::memcpy(&m, record, sizeof(float));
-  const uint8_t* codes = record + kScaleBytes;
+  const uint8_t* packed = record + kScaleBytes;
+  constexpr int per_byte = 8 / kBits;
+  constexpr uint32_t mask = (1u << kBits) - 1u;
+  const int64_t nbytes = (valid + per_byte - 1) / per_byte;
+  for (int64_t k = 0; k < nbytes; ++k) {
+    for (int t = 0; t < per_byte; ++t) codes[k * per_byte + t] = (packed[k] >> (t * kBits)) & mask;
+  }
   for (int64_t j = 0; j < valid; ++j) {
-    const uint32_t c = read_code(codes, j, bits);
-    acc[j] += dequantize_one(c, m, lv.v[c], bits);
+    const float level = kBits == 1 ? 0.0f : level_value(codes[j], kBits);
+    acc[j] += dequantize_one(codes[j], m, level, kBits);
+  }
+}
+
+using AccumulateFn = void (*)(const uint8_t*, int64_t, float*, uint8_t*);
+
+AccumulateFn pick_accumulator(int bits) {
+  switch (bits) {
+    case 1: return &accumulate_record<1>;
+    case 2: return &accumulate_record<2>;
+    case 4: return &accumulate_record<4>;
+    default: return &accumulate_record<8>;
   }
 }
 
@@ -108,18 +127,17 @@ struct Scratch {
   explicit Scratch(int64_t B) : e(B), tree(B), deq(B), codes(B) {}
 };
 
-at::Tensor quantize_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                        int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
-                        int64_t step, int64_t rng_offset) {
+void quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                       const at::Tensor& packed, int64_t bits, int64_t block_size,
+                       bool stochastic, int64_t seed, int64_t step, int64_t rng_offset) {
   check_quantize_args(x, residual, bits, block_size, "quantize");
   const int64_t n = x.numel();
+  check_out(packed, at::kByte, payload_bytes(n, block_size, (int)bits), x.device(), "quantize");
   const at::Tensor xc = x.contiguous();
   float* res = residual ? residual->data_ptr<float>() : nullptr;
-  auto packed = at::empty({payload_bytes(n, block_size, (int)bits)}, x.options().dtype(at::kByte));
   uint8_t* out = packed.data_ptr<uint8_t>();
   const int64_t B = block_size, nb = num_blocks(n, B), rec = record_bytes(B, (int)bits);
   const EncodeFn encode = pick_encoder((int)bits, stochastic);
-  const Levels lv((int)bits);
   const uint64_t key = rng_key((uint64_t)seed, (uint64_t)step);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "quantize", [&] {
@@ -133,7 +151,7 @@ at::Tensor quantize_cpu(const at::Tensor& x, const std::optional<at::Tensor>& re
           for (int64_t j = 0; j < valid; ++j) s.e[j] = s.e[j] + res[start + j];
         }
         std::fill(s.e.begin() + valid, s.e.end(), 0.0f);
-        encode(s.e.data(), valid, B, out + blk * rec, res ? s.deq.data() : nullptr, lv, key,
+        encode(s.e.data(), valid, B, out + blk * rec, res ? s.deq.data() : nullptr, key,
                rng_offset + start, s.tree.data(), s.codes.data());
         if (res != nullptr) {
           for (int64_t j = 0; j < valid; ++j) res[start + j] = s.e[j] - s.deq[j];
@@ -141,60 +159,90 @@ at::Tensor quantize_cpu(const at::Tensor& x, const std::optional<at::Tensor>& re
       }
     });
   });
+}
+
+at::Tensor quantize_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                        int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
+                        int64_t step, int64_t rng_offset) {
+  check_bits_block(bits, block_size, "quantize");
+  auto packed = at::empty({payload_bytes(x.numel(), block_size, (int)bits)},
+                          x.options().dtype(at::kByte));
+  quantize_into_cpu(x, residual, packed, bits, block_size, stochastic, seed, step, rng_offset);
   return packed;
+}
+
+void dequantize_into_cpu(const at::Tensor& packed, const at::Tensor& result, int64_t bits,
+                         int64_t block_size) {
+  const int64_t numel = result.numel();
+  const at::ScalarType dtype = result.scalar_type();
+  check_payloads(packed, 1, numel, bits, block_size, dtype, "dequantize");
+  check_out(result, dtype, numel, packed.device(), "dequantize");
+  const int64_t B = block_size, nb = num_blocks(numel, B), rec = record_bytes(B, (int)bits);
+  const uint8_t* in = packed.data_ptr<uint8_t>();
+  const AccumulateFn accumulate = pick_accumulator((int)bits);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "dequantize", [&] {
+    scalar_t* op = result.data_ptr<scalar_t>();
+    at::parallel_for(0, nb, grain_blocks(B), [&](int64_t b0, int64_t b1) {
+      std::vector<float> acc(B);
+      std::vector<uint8_t> codes(B);
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t start = blk * B, valid = std::min(B, numel - start);
+        // 0 + v == v for every v the codes produce (never -0), so this is a plain decode.
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        accumulate(in + blk * rec, valid, acc.data(), codes.data());
+        for (int64_t j = 0; j < valid; ++j) op[start + j] = static_cast<scalar_t>(acc[j]);
+      }
+    });
+  });
 }
 
 at::Tensor dequantize_cpu(const at::Tensor& packed, int64_t numel, int64_t bits,
                           int64_t block_size, at::ScalarType dtype) {
   check_payloads(packed, 1, numel, bits, block_size, dtype, "dequantize");
-  const int64_t B = block_size, nb = num_blocks(numel, B), rec = record_bytes(B, (int)bits);
   auto result = at::empty({numel}, packed.options().dtype(dtype));
-  const uint8_t* in = packed.data_ptr<uint8_t>();
-  const Levels lv((int)bits);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "dequantize", [&] {
-    scalar_t* op = result.data_ptr<scalar_t>();
-    at::parallel_for(0, nb, grain_blocks(B), [&](int64_t b0, int64_t b1) {
-      std::vector<float> acc(B);
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t start = blk * B, valid = std::min(B, numel - start);
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        accumulate_record(in + blk * rec, valid, (int)bits, lv, acc.data());
-        for (int64_t j = 0; j < valid; ++j) op[start + j] = static_cast<scalar_t>(acc[j]);
-      }
-    });
-  });
+  dequantize_into_cpu(packed, result, bits, block_size);
   return result;
 }
 
 // Sums block `blk` of every payload row into acc[0, valid), in row order.
 void sum_rows(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t blk, int64_t rec,
-              int64_t valid, int bits, const Levels& lv, float* acc) {
+              int64_t valid, AccumulateFn accumulate, float* acc, uint8_t* codes) {
   std::fill(acc, acc + valid, 0.0f);
-  for (int64_t r = 0; r < rows; ++r) accumulate_record(in + r * row_bytes + blk * rec, valid, bits, lv, acc);
+  for (int64_t r = 0; r < rows; ++r) accumulate(in + r * row_bytes + blk * rec, valid, acc, codes);
+}
+
+void dequantize_sum_into_cpu(const at::Tensor& payloads, const at::Tensor& result, int64_t bits,
+                             int64_t block_size, int64_t divisor) {
+  const int64_t numel = result.numel();
+  const at::ScalarType dtype = result.scalar_type();
+  check_payloads(payloads, 2, numel, bits, block_size, dtype, "dequantize_sum");
+  check_out(result, dtype, numel, payloads.device(), "dequantize_sum");
+  TORCH_CHECK(divisor >= 1, "dequantize_sum: divisor must be >= 1, got ", divisor);
+  const at::Tensor pc = payloads.contiguous();
+  const int64_t B = block_size, nb = num_blocks(numel, B), rec = record_bytes(B, (int)bits);
+  const int64_t rows = pc.size(0), row_bytes = pc.size(1);
+  const uint8_t* in = pc.data_ptr<uint8_t>();
+    const float div = (float)divisor;
+  const AccumulateFn accumulate = pick_accumulator((int)bits);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "dequantize_sum", [&] {
+    scalar_t* op = result.data_ptr<scalar_t>();
+    at::parallel_for(0, nb, grain_blocks(B), [&](int64_t b0, int64_t b1) {
+      std::vector<float> acc(B);
+      std::vector<uint8_t> codes(B);
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t start = blk * B, valid = std::min(B, numel - start);
+        sum_rows(in, rows, row_bytes, blk, rec, valid, accumulate, acc.data(), codes.data());
+        for (int64_t j = 0; j < valid; ++j) op[start + j] = static_cast<scalar_t>(acc[j] / div);
+      }
+    });
+  });
 }
 
 at::Tensor dequantize_sum_cpu(const at::Tensor& payloads, int64_t numel, int64_t bits,
                               int64_t block_size, int64_t divisor, at::ScalarType dtype) {
   check_payloads(payloads, 2, numel, bits, block_size, dtype, "dequantize_sum");
-  TORCH_CHECK(divisor >= 1, "dequantize_sum: divisor must be >= 1, got ", divisor);
-  const at::Tensor pc = payloads.contiguous();
-  const int64_t B = block_size, nb = num_blocks(numel, B), rec = record_bytes(B, (int)bits);
-  const int64_t rows = pc.size(0), row_bytes = pc.size(1);
   auto result = at::empty({numel}, payloads.options().dtype(dtype));
-  const uint8_t* in = pc.data_ptr<uint8_t>();
-  const Levels lv((int)bits);
-  const float div = (float)divisor;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "dequantize_sum", [&] {
-    scalar_t* op = result.data_ptr<scalar_t>();
-    at::parallel_for(0, nb, grain_blocks(B), [&](int64_t b0, int64_t b1) {
-      std::vector<float> acc(B);
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t start = blk * B, valid = std::min(B, numel - start);
-        sum_rows(in, rows, row_bytes, blk, rec, valid, (int)bits, lv, acc.data());
-        for (int64_t j = 0; j < valid; ++j) op[start + j] = static_cast<scalar_t>(acc[j] / div);
-      }
-    });
-  });
+  dequantize_sum_into_cpu(payloads, result, bits, block_size, divisor);
   return result;
 }
 
@@ -214,21 +262,21 @@ at::Tensor dequantize_sum_requantize_cpu(const at::Tensor& payloads,
   uint8_t* out = packed.data_ptr<uint8_t>();
   float* res = residual ? residual->data_ptr<float>() : nullptr;
   const EncodeFn encode = pick_encoder((int)bits, stochastic);
-  const Levels lv((int)bits);
-  const uint64_t key = rng_key((uint64_t)seed, (uint64_t)step);
+    const uint64_t key = rng_key((uint64_t)seed, (uint64_t)step);
   const float div = (float)divisor;
+  const AccumulateFn accumulate = pick_accumulator((int)bits);
   at::parallel_for(0, nb, grain_blocks(B), [&](int64_t b0, int64_t b1) {
     Scratch s(B);
     std::vector<float> sum(B);
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t start = blk * B, valid = std::min(B, numel - start);
-      sum_rows(in, rows, row_bytes, blk, rec, valid, (int)bits, lv, sum.data());
+      sum_rows(in, rows, row_bytes, blk, rec, valid, accumulate, sum.data(), s.codes.data());
       if (res != nullptr) {
         for (int64_t j = 0; j < valid; ++j) sum[j] = sum[j] + res[start + j];
       }
       for (int64_t j = 0; j < valid; ++j) s.e[j] = sum[j] / div;
       std::fill(s.e.begin() + valid, s.e.end(), 0.0f);
-      encode(s.e.data(), valid, B, out + blk * rec, res ? s.deq.data() : nullptr, lv, key,
+      encode(s.e.data(), valid, B, out + blk * rec, res ? s.deq.data() : nullptr, key,
              rng_offset + start, s.tree.data(), s.codes.data());
       if (res != nullptr) {
         for (int64_t j = 0; j < valid; ++j) res[start + j] = sum[j] - div * s.deq[j];
@@ -245,6 +293,9 @@ TORCH_LIBRARY_IMPL(ddpcomm, CPU, m) {
   m.impl("dequantize", &dequantize_cpu);
   m.impl("dequantize_sum", &dequantize_sum_cpu);
   m.impl("dequantize_sum_requantize", &dequantize_sum_requantize_cpu);
+  m.impl("quantize_into", &quantize_into_cpu);
+  m.impl("dequantize_into", &dequantize_into_cpu);
+  m.impl("dequantize_sum_into", &dequantize_sum_into_cpu);
 }
 
 }  // namespace ddpcomm
