@@ -16,8 +16,13 @@ import torch.multiprocessing as mp
 def _entry(fn, rank, world, store, threads, results, args):
     try:
         torch.set_num_threads(threads)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=120),
+        )
         try:
             out = fn(rank, world, *args)
         finally:
@@ -33,8 +38,10 @@ def spawn(fn, world: int, *args, threads: int = 1, timeout: float = 900.0) -> li
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, threads, results, args))
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world, store, threads, results, args))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         out, error = {}, None

@@ -159,7 +159,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         if timed and i == activation + case["warmup"]:
             # Counters start at the first timed call (after warm-up).
             tx0 = _worker.tx_bytes(common.get("ifname"))
-            sent0 = stats_of()["bytes_sent"] if stats_of else None
+            st0 = stats_of() if stats_of else None
         bucket.buffer().copy_(grad)  # hooks write the mean into the bucket in place
         dist.barrier()
         _worker.sync(device)
@@ -180,7 +180,11 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
     if tx1 is not None:
         result["wire_bytes"] = (tx1 - tx0) / case["iters"]
     if stats_of:
-        result["measured_bytes"] = (stats_of()["bytes_sent"] - sent0) / case["iters"]
+        # ddpcomm's own accounting: bytes handed to collectives and host time spent in
+        # (de)compression ops, both per call.
+        st1 = stats_of()
+        result["measured_bytes"] = (st1["bytes_sent"] - st0["bytes_sent"]) / case["iters"]
+        result["compress_s"] = (st1["compress_seconds"] - st0["compress_seconds"]) / case["iters"]
 
     # Do all ranks hold the same result? Hash-free check: compare a checksum vector.
     probe = torch.stack([out.double().sum(), (out.double() ** 2).sum()]).to(device)

@@ -209,9 +209,10 @@ def run(args) -> int:
             env["link"] = links.describe() if links is not None else note
             progress(f"world {world}: {env['link']}")
             rows += sweep(args, world, links, rate, env)
-    _report.print_collectives(rows, env)
+    # JSON first: the measurements survive even if printing fails.
     if args.json:
         _report.write_json(args.json, {"command": "collectives", "environment": env, "rows": rows})
+    _report.print_collectives(rows, env)
     return 0
 
 

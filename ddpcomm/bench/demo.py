@@ -30,8 +30,13 @@ DIM_IN, HIDDEN, CLASSES = 128, 512, 10
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(DIM_IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN),
-                         nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
+    return nn.Sequential(
+        nn.Linear(DIM_IN, HIDDEN),
+        nn.ReLU(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.ReLU(),
+        nn.Linear(HIDDEN, CLASSES),
+    )
 
 
 def _data(rank: int, step: int):
@@ -48,14 +53,23 @@ def _methods():
     return [
         ("DDP default", None, None),
         ("torch fp16_compress_hook", lambda: None, default_hooks.fp16_compress_hook),
-        ("torch quantization_pertensor_hook", lambda: dist.group.WORLD,
-         quantization_hooks.quantization_pertensor_hook),
-        ("torch quantization_perchannel_hook", lambda: dist.group.WORLD,
-         quantization_hooks.quantization_perchannel_hook),
+        (
+            "torch quantization_pertensor_hook",
+            lambda: dist.group.WORLD,
+            quantization_hooks.quantization_pertensor_hook,
+        ),
+        (
+            "torch quantization_perchannel_hook",
+            lambda: dist.group.WORLD,
+            quantization_hooks.quantization_perchannel_hook,
+        ),
         ("ddpcomm q8", lambda: ddpcomm.QuantizeState(bits=8), ddpcomm.quantize_hook),
         ("ddpcomm q4", lambda: ddpcomm.QuantizeState(bits=4), ddpcomm.quantize_hook),
-        ("ddpcomm q4 + error feedback",
-         lambda: ddpcomm.QuantizeState(bits=4, error_feedback=True), ddpcomm.quantize_hook),
+        (
+            "ddpcomm q4 + error feedback",
+            lambda: ddpcomm.QuantizeState(bits=4, error_feedback=True),
+            ddpcomm.quantize_hook,
+        ),
     ]
 
 
@@ -73,7 +87,7 @@ def _root_cause(exc: BaseException) -> str:
     """The innermost 'SomeError: message' of a (possibly nested) callback error."""
     text = str(exc)
     starts = [m.start() for m in re.finditer(r"\b\w+Error: ", text)]
-    cause = text[starts[-1]:].splitlines()[0] if starts else repr(exc)
+    cause = text[starts[-1] :].splitlines()[0] if starts else repr(exc)
     return cause.split(". Use ")[0][:60]
 
 
@@ -108,9 +122,14 @@ def _worker(rank: int, world: int):
             params, loss, step_s = _train(rank, world, state, hook)
         except Exception as exc:  # noqa: BLE001 - a peer that cannot run is a table row
             reason = _root_cause(exc)
-            rows.append({"method": name, "status": f"failed on gloo: {reason}",
-                         "bytes_per_step": _formula_bytes(name, numel, world),
-                         "bytes_source": "formula"})
+            rows.append(
+                {
+                    "method": name,
+                    "status": f"failed on gloo: {reason}",
+                    "bytes_per_step": _formula_bytes(name, numel, world),
+                    "bytes_source": "formula",
+                }
+            )
             dist.barrier()
             continue
         if default_params is None:
@@ -120,32 +139,50 @@ def _worker(rank: int, world: int):
             sent, source = s["bytes_sent"] / s["iteration"], "measured"
         else:
             sent, source = _formula_bytes(name, numel, world), "formula"
-        rows.append({"method": name, "status": "ok", "bytes_per_step": sent,
-                     "bytes_source": source, "step_ms": 1e3 * step_s, "final_loss": loss,
-                     "max_param_diff": float((params - default_params).abs().max())})
+        rows.append(
+            {
+                "method": name,
+                "status": "ok",
+                "bytes_per_step": sent,
+                "bytes_source": source,
+                "step_ms": 1e3 * step_s,
+                "final_loss": loss,
+                "max_param_diff": float((params - default_params).abs().max()),
+            }
+        )
     return rows, numel
 
 
 def print_table(rows, numel: int, world: int) -> None:
-    print(f"\nddpcomm demo: {world} gloo ranks on CPU, MLP with {numel:,} parameters, "
-          f"{STEPS} SGD steps, same data and init for every method\n")
-    head = (f"{'method':<36} {'bytes/step/rank':>16} {'vs default':>10} {'step ms':>8} "
-            f"{'final loss':>10} {'max |dp|':>9}")
+    print(
+        f"\nddpcomm demo: {world} gloo ranks on CPU, MLP with {numel:,} parameters, "
+        f"{STEPS} SGD steps, same data and init for every method\n"
+    )
+    head = (
+        f"{'method':<36} {'bytes/step/rank':>16} {'vs default':>10} {'step ms':>8} "
+        f"{'final loss':>10} {'max |dp|':>9}"
+    )
     print(head)
     print("-" * len(head))
     base = rows[0]["bytes_per_step"]
     for r in rows:
-        size = f"{r['bytes_per_step'] / 1e6:.3f} MB" + ("*" if r["bytes_source"] == "formula" else " ")
+        size = f"{r['bytes_per_step'] / 1e6:.3f} MB" + (
+            "*" if r["bytes_source"] == "formula" else " "
+        )
         ratio = f"{base / r['bytes_per_step']:.2f}x"
         if r["status"] != "ok":
             print(f"{r['method']:<36} {size:>16} {ratio:>10}  {r['status']}")
             continue
-        print(f"{r['method']:<36} {size:>16} {ratio:>10} {r['step_ms']:>8.2f} "
-              f"{r['final_loss']:>10.4f} {r['max_param_diff']:>9.2e}")
-    print("\n* bytes from the method's formula (a plain all_reduce sends 2(N-1)/N x its bytes); "
-          "ddpcomm rows are counted by state.stats().\n  Loopback has no bandwidth limit, "
-          "so step times here show compute overhead, not wire savings:\n  "
-          "see `python -m ddpcomm.bench collectives --link 1gbit` for a shaped link.")
+        print(
+            f"{r['method']:<36} {size:>16} {ratio:>10} {r['step_ms']:>8.2f} "
+            f"{r['final_loss']:>10.4f} {r['max_param_diff']:>9.2e}"
+        )
+    print(
+        "\n* bytes from the method's formula (a plain all_reduce sends 2(N-1)/N x its bytes); "
+        "ddpcomm rows are counted by state.stats().\n  Loopback has no bandwidth limit, "
+        "so step times here show compute overhead, not wire savings:\n  "
+        "see `python -m ddpcomm.bench collectives --link 1gbit` for a shaped link."
+    )
 
 
 def run(args) -> int:
@@ -155,6 +192,9 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="train a small model with DDP's default, torch's hooks and "
-                       "ddpcomm (2 gloo ranks on CPU)")
+    p = sub.add_parser(
+        "demo",
+        help="train a small model with DDP's default, torch's hooks and "
+        "ddpcomm (2 gloo ranks on CPU)",
+    )
     p.set_defaults(func=run)

@@ -43,8 +43,9 @@ def _copy_seconds(nbytes: int, repeats: int) -> float:
     return _time(lambda: dst.copy_(src), repeats)
 
 
-def kernel_rows(size_mb: int, bits: int, block: int, world: int, repeats: int,
-                with_reference: bool) -> list[dict]:
+def kernel_rows(
+    size_mb: int, bits: int, block: int, world: int, repeats: int, with_reference: bool
+) -> list[dict]:
     n = size_mb * MB // 4
     x = torch.randn(n)
     residual = torch.zeros(n)
@@ -54,28 +55,43 @@ def kernel_rows(size_mb: int, bits: int, block: int, world: int, repeats: int,
 
     cases = [
         # name, fn, reference fn, bytes touched
-        (f"q{bits} quantize + EF + pack",
-         lambda: ops.quantize(x, residual, bits, block),
-         lambda: reference.quantize(x, residual.clone(), bits, block),
-         4 * n + 4 * n + 4 * n + payload),  # read x, read + write residual, write payload
-        (f"q{bits} dequantize_sum ({world} payloads)",
-         lambda: ops.dequantize_sum(payloads, n, bits, block, world, torch.float32),
-         lambda: reference.dequantize_sum(payloads, n, bits, block, world, torch.float32),
-         world * payload + 4 * n),
-        (f"q{bits} dequantize_sum_requantize + EF",
-         lambda: ops.dequantize_sum_requantize(payloads, residual, n, bits, block, world),
-         lambda: reference.dequantize_sum_requantize(payloads, residual.clone(), n, bits,
-                                                     block, world),
-         world * payload + 8 * n + payload),
+        (
+            f"q{bits} quantize + EF + pack",
+            lambda: ops.quantize(x, residual, bits, block),
+            lambda: reference.quantize(x, residual.clone(), bits, block),
+            4 * n + 4 * n + 4 * n + payload,
+        ),  # read x, read + write residual, write payload
+        (
+            f"q{bits} dequantize_sum ({world} payloads)",
+            lambda: ops.dequantize_sum(payloads, n, bits, block, world, torch.float32),
+            lambda: reference.dequantize_sum(payloads, n, bits, block, world, torch.float32),
+            world * payload + 4 * n,
+        ),
+        (
+            f"q{bits} dequantize_sum_requantize + EF",
+            lambda: ops.dequantize_sum_requantize(payloads, residual, n, bits, block, world),
+            lambda: reference.dequantize_sum_requantize(
+                payloads, residual.clone(), n, bits, block, world
+            ),
+            world * payload + 8 * n + payload,
+        ),
     ]
     for name, fn, ref_fn, touched in cases:
         t = _time(fn, repeats)
         t_copy = _copy_seconds(touched, repeats)
         t_ref = _time(ref_fn, 1, 0.0) if with_reference else float("nan")
-        rows.append({"op": name, "size_mb": size_mb, "bytes_touched": touched,
-                     "seconds": t, "gbps": touched / t / 1e9,
-                     "copy_gbps": touched / t_copy / 1e9, "pct_of_copy": 100 * t_copy / t,
-                     "speedup_vs_reference": t_ref / t})
+        rows.append(
+            {
+                "op": name,
+                "size_mb": size_mb,
+                "bytes_touched": touched,
+                "seconds": t,
+                "gbps": touched / t / 1e9,
+                "copy_gbps": touched / t_copy / 1e9,
+                "pct_of_copy": 100 * t_copy / t,
+                "speedup_vs_reference": t_ref / t,
+            }
+        )
     return rows
 
 
@@ -97,13 +113,16 @@ def torch_hook_comparison(size_mb: int, world: int, repeats: int) -> dict:
 
     def ddpcomm_path():
         p = ops.quantize(x, None, 8, 256)
-        return ops.dequantize_sum(p.expand(world, -1).contiguous(), n, 8, 256, world,
-                                  torch.float32)
+        return ops.dequantize_sum(p.expand(world, -1).contiguous(), n, 8, 256, world, torch.float32)
 
     t_torch = _time(torch_path, repeats)
     t_ours = _time(ddpcomm_path, repeats)
-    return {"size_mb": size_mb, "torch_seconds": t_torch, "ddpcomm_seconds": t_ours,
-            "speedup": t_torch / t_ours}
+    return {
+        "size_mb": size_mb,
+        "torch_seconds": t_torch,
+        "ddpcomm_seconds": t_ours,
+        "speedup": t_torch / t_ours,
+    }
 
 
 def wire_bytes_rows(numel: int, bits: int, block: int) -> list[dict]:
@@ -112,48 +131,73 @@ def wire_bytes_rows(numel: int, bits: int, block: int) -> list[dict]:
         two = Quantizer(bits, block, algorithm="two_phase")
         ag = Quantizer(bits, block, algorithm="all_gather")
         formula = 2 * (world - 1) / world * numel * (bits / 8 + 4 / block)
-        rows.append({
-            "world": world, "plain_all_reduce": dense_bytes(numel, world, 4),
-            "two_phase": two.wire_bytes(numel, world), "formula": formula,
-            "all_gather": ag.wire_bytes(numel, world),
-            # torch's per-tensor hook all_gathers one byte per element from every rank.
-            "torch_quantization_hook": (world - 1) * (numel + 8),
-        })
+        rows.append(
+            {
+                "world": world,
+                "plain_all_reduce": dense_bytes(numel, world, 4),
+                "two_phase": two.wire_bytes(numel, world),
+                "formula": formula,
+                "all_gather": ag.wire_bytes(numel, world),
+                # torch's per-tensor hook all_gathers one byte per element from every rank.
+                "torch_quantization_hook": (world - 1) * (numel + 8),
+            }
+        )
     return rows
 
 
 def run(args) -> int:
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(f"ddpcomm kernels on CPU, {torch.get_num_threads()} threads, "
-          f"block {args.block}; median of >= {args.repeats} runs\n")
-    head = (f"{'op':<38} {'MB':>5} {'GB/s':>7} {'copy GB/s':>9} {'% copy':>7} "
-            f"{'x reference':>11}")
+    print(
+        f"ddpcomm kernels on CPU, {torch.get_num_threads()} threads, "
+        f"block {args.block}; median of >= {args.repeats} runs\n"
+    )
+    head = f"{'op':<38} {'MB':>5} {'GB/s':>7} {'copy GB/s':>9} {'% copy':>7} {'x reference':>11}"
     print(head)
     print("-" * len(head))
     for size in sizes:
         for bits in (8, 4, 1) if not args.quick else (8,):
-            for r in kernel_rows(size, bits, args.block, 2, args.repeats,
-                                 with_reference=size <= 64 and not args.quick):
-                ref = "" if math.isnan(r["speedup_vs_reference"]) else \
-                    f"{r['speedup_vs_reference']:.1f}x"
-                print(f"{r['op']:<38} {size:>5} {r['gbps']:>7.2f} {r['copy_gbps']:>9.2f} "
-                      f"{r['pct_of_copy']:>6.0f}% {ref:>11}")
+            for r in kernel_rows(
+                size,
+                bits,
+                args.block,
+                2,
+                args.repeats,
+                with_reference=size <= 64 and not args.quick,
+            ):
+                ref = (
+                    ""
+                    if math.isnan(r["speedup_vs_reference"])
+                    else f"{r['speedup_vs_reference']:.1f}x"
+                )
+                print(
+                    f"{r['op']:<38} {size:>5} {r['gbps']:>7.2f} {r['copy_gbps']:>9.2f} "
+                    f"{r['pct_of_copy']:>6.0f}% {ref:>11}"
+                )
     c = torch_hook_comparison(args.torch_hook_mb, 2, args.repeats)
-    print(f"\nquantize + dequantize of {c['size_mb']} MB fp32 (2 payloads): torch "
-          f"quantization_pertensor_hook path {1e3 * c['torch_seconds']:.1f} ms, ddpcomm q8 "
-          f"{1e3 * c['ddpcomm_seconds']:.1f} ms: {c['speedup']:.1f}x faster")
+    print(
+        f"\nquantize + dequantize of {c['size_mb']} MB fp32 (2 payloads): torch "
+        f"quantization_pertensor_hook path {1e3 * c['torch_seconds']:.1f} ms, ddpcomm q8 "
+        f"{1e3 * c['ddpcomm_seconds']:.1f} ms: {c['speedup']:.1f}x faster"
+    )
     numel = 16 * MB
-    print(f"\nbytes per rank, all-reduce of {numel:,} fp32 elements (q{args.wire_bits}, block "
-          f"{args.block})")
-    head = (f"{'N':>2} {'plain':>12} {'two-phase':>12} {'formula':>12} {'all-gather':>12} "
-            f"{'torch q hook':>12}")
+    print(
+        f"\nbytes per rank, all-reduce of {numel:,} fp32 elements (q{args.wire_bits}, block "
+        f"{args.block})"
+    )
+    head = (
+        f"{'N':>2} {'plain':>12} {'two-phase':>12} {'formula':>12} {'all-gather':>12} "
+        f"{'torch q hook':>12}"
+    )
     print(head)
     for r in wire_bytes_rows(numel, args.wire_bits, args.block):
-        print(f"{r['world']:>2} {r['plain_all_reduce']:>12,} {r['two_phase']:>12,} "
-              f"{r['formula']:>12,.0f} {r['all_gather']:>12,} {r['torch_quantization_hook']:>12,}")
-    print("\nformula: 2(N-1)/N * n * (b/8 + 4/B); two-phase pads each rank's chunk to whole "
-          "blocks.")
+        print(
+            f"{r['world']:>2} {r['plain_all_reduce']:>12,} {r['two_phase']:>12,} "
+            f"{r['formula']:>12,.0f} {r['all_gather']:>12,} {r['torch_quantization_hook']:>12,}"
+        )
+    print(
+        "\nformula: 2(N-1)/N * n * (b/8 + 4/B); two-phase pads each rank's chunk to whole blocks."
+    )
     return 0
 
 

@@ -206,7 +206,7 @@ def run(args) -> int:
                 }
             )
             cases = cases[len(outcome.results) + 1 :]
-    print_train(rows, env)
+    # JSON first: the measurements survive even if printing or plotting fails.
     if args.json:
         _report.write_json(
             args.json,
@@ -217,6 +217,7 @@ def run(args) -> int:
                 "rows": rows,
             },
         )
+    print_train(rows, env)
     if args.plot:
         plot(rows, env, args.plot)
         progress(f"plot written to {args.plot}")
