@@ -172,6 +172,8 @@ def run(args) -> int:
     rows = []
     with links if links is not None else _report.nullcontext():
         env["link"] = links.describe() if links is not None else note
+        env["link_short"] = args.link if links is not None else "loopback"
+        env["world"] = args.world
         progress(f"world {args.world}: {env['link']}")
         threads = max(1, (os.cpu_count() or 1) // args.world)
         common = {
@@ -279,6 +281,14 @@ def print_train(rows: list[dict], env: dict) -> None:
     print(_report.table(headers, body))
 
 
+def _moving_average(xs: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x - (xs[i - window] if i >= window else 0.0)
+        out.append(acc / min(i + 1, window))
+    return out
+
+
 def plot(rows: list[dict], env: dict, path: str) -> None:
     import matplotlib
 
@@ -289,22 +299,33 @@ def plot(rows: list[dict], env: dict, path: str) -> None:
     fig, (ax_loss, ax_time) = plt.subplots(
         1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]}
     )
-    for r in ok:
+    for i, r in enumerate(ok):
         if r["method"] == "nocomm":
             continue  # each rank trains alone: its loss is not comparable
-        ax_loss.plot(range(1, len(r["loss"]) + 1), r["loss"], label=r["method"], lw=1.2)
+        steps = range(1, len(r["loss"]) + 1)
+        color = f"C{i % 10}"
+        # One step's loss on a small batch is noisy: faint raw curve, bold moving average.
+        ax_loss.plot(steps, r["loss"], color=color, lw=0.6, alpha=0.3)
+        ax_loss.plot(
+            steps, _moving_average(r["loss"], LAST), color=color, lw=1.5, label=r["method"]
+        )
     ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("training loss (mean over ranks)")
+    ax_loss.set_ylabel(f"training loss (mean over ranks; bold: {LAST}-step average)")
     ax_loss.set_title("loss vs step")
     ax_loss.grid(alpha=0.3)
     ax_loss.legend(fontsize=8)
     names = [r["method"] for r in ok]
-    ax_time.barh(names, [r["median_step_s"] * 1e3 for r in ok], color="tab:blue")
+    ms = [r["median_step_s"] * 1e3 for r in ok]
+    bars = ax_time.barh(names, ms, color=[f"C{i % 10}" for i in range(len(ok))])
+    ax_time.bar_label(bars, labels=[f"{v:.0f} ms" for v in ms], fontsize=8, padding=2)
     ax_time.invert_yaxis()
     ax_time.set_xlabel("median step time (ms)")
-    ax_time.set_title(f"step time, {env['link'].split(',')[0]}"[:60])
+    ax_time.set_title("step time (nocomm: compute only)")
+    ax_time.set_xlim(0, max(ms, default=1) * 1.25)
     ax_time.grid(axis="x", alpha=0.3)
-    fig.suptitle(env["model"].split(":")[0] + f"; {env['link']}"[:120], fontsize=9)
+    fig.suptitle(
+        f"{env['model'].split(':')[0]}; {env['world']} ranks; link {env['link_short']}", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
