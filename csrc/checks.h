@@ -33,8 +33,7 @@ inline void check_residual(const std::optional<at::Tensor>& residual, int64_t nu
   TORCH_CHECK(r.scalar_type() == at::kFloat, op, ": residual must be float32, got ",
               r.scalar_type());
   TORCH_CHECK(r.is_contiguous(), op, ": residual must be contiguous");
-  TORCH_CHECK(r.numel() == numel, op, ": residual must have ", numel, " elements, got ",
-              r.numel());
+  TORCH_CHECK(r.numel() == numel, op, ": residual must have ", numel, " elements, got ", r.numel());
   TORCH_CHECK(r.device() == device, op, ": residual is on ", r.device(), " but the input is on ",
               device);
 }

@@ -12,7 +12,8 @@ TORCH_LIBRARY(ddpcomm, m) {
   m.def(
       "quantize(Tensor x, Tensor(a!)? residual, int bits, int block_size, bool stochastic=False, "
       "int seed=0, int step=0, int rng_offset=0) -> Tensor");
-  m.def("dequantize(Tensor packed, int numel, int bits, int block_size, ScalarType dtype) -> Tensor");
+  m.def(
+      "dequantize(Tensor packed, int numel, int bits, int block_size, ScalarType dtype) -> Tensor");
   m.def(
       "dequantize_sum(Tensor payloads, int numel, int bits, int block_size, int divisor, "
       "ScalarType dtype) -> Tensor");

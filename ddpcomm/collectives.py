@@ -51,8 +51,9 @@ class Stats:
     ``bytes_sent`` counts the bytes this rank puts on the wire, as a ring schedule would
     send them: 2(N-1)/N*S for an all_reduce of S bytes, (N-1)*S for an all_gather of S
     bytes per rank, the bytes addressed to other ranks for an all_to_all.
-    ``dense_bytes`` is what a plain all_reduce of the same tensors would have sent. ``compress_seconds`` is host time spent in (de)compression
-    ops (on CUDA, launch time: kernels run asynchronously on the stream).
+    ``dense_bytes`` is what a plain all_reduce of the same tensors would have sent.
+    ``compress_seconds`` is host time spent in (de)compression ops (on CUDA, launch
+    time: kernels run asynchronously on the stream).
     """
 
     __slots__ = ("bytes_sent", "dense_bytes", "compress_seconds", "calls", "paths", "_lock")
@@ -121,8 +122,11 @@ class ResidualMemory:
     def get(self, kind: str, key, numel: int, device, signature=None) -> torch.Tensor:
         k = (kind, key)
         buf = self.buffers.get(k)
-        if buf is None or buf.numel() != numel or buf.device != torch.device(device) or (
-            self.signatures.get(k) != signature
+        if (
+            buf is None
+            or buf.numel() != numel
+            or buf.device != torch.device(device)
+            or (self.signatures.get(k) != signature)
         ):
             buf = torch.zeros(numel, dtype=torch.float32, device=device)
             self.buffers[k] = buf
@@ -131,7 +135,7 @@ class ResidualMemory:
 
     def reset(self, key) -> None:
         """Zeroes every buffer of one bucket (after a non-finite step)."""
-        for (kind, k), buf in self.buffers.items():
+        for (_, k), buf in self.buffers.items():
             if k == key:
                 buf.zero_()
 
@@ -219,8 +223,10 @@ def verify_config(config: tuple, numel: int, group: dist.ProcessGroup | None, de
     _all_gather_single(every, mine, group=pg)
     every = every.view(world, 2).cpu()
     if not bool((every == every[0]).all()):
-        rows = [f"rank {r}: config {int(every[r, 0]):#x}, numel {int(every[r, 1])}"
-                for r in range(world)]
+        rows = [
+            f"rank {r}: config {int(every[r, 0]):#x}, numel {int(every[r, 1])}"
+            for r in range(world)
+        ]
         raise ValueError(
             "ddpcomm: ranks disagree on the compression configuration or bucket size "
             f"(this rank: {config}, numel {numel}); " + "; ".join(rows)
@@ -306,8 +312,11 @@ def _plain(flat: torch.Tensor, _: Compressor, ctx: ReduceContext) -> Future:
     # into a bucket (multiplying by the reciprocal, not dividing): the lossless path is
     # then bitwise DDP's default, and fp16 buckets do not overflow in the sum.
     flat.mul_(1.0 / world)
-    ctx.stats.record("plain", dense_bytes(flat.numel(), world, flat.element_size()),
-                     dense_bytes(flat.numel(), world, flat.element_size()))
+    ctx.stats.record(
+        "plain",
+        dense_bytes(flat.numel(), world, flat.element_size()),
+        dense_bytes(flat.numel(), world, flat.element_size()),
+    )
     work = dist.all_reduce(flat, group=ctx.pg, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
@@ -321,8 +330,11 @@ def _cast(flat: torch.Tensor, c: CastCompression, ctx: ReduceContext) -> Future:
     world = dist.get_world_size(ctx.pg)
     with _Timer(ctx.stats):
         wire = flat.to(c.dtype).div_(world)
-    ctx.stats.record(c.spec, dense_bytes(flat.numel(), world, 2),
-                     dense_bytes(flat.numel(), world, flat.element_size()))
+    ctx.stats.record(
+        c.spec,
+        dense_bytes(flat.numel(), world, 2),
+        dense_bytes(flat.numel(), world, flat.element_size()),
+    )
     work = dist.all_reduce(wire, group=ctx.pg, async_op=True)
 
     def decode(fut):
@@ -354,11 +366,11 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
     size = q.payload_bytes(n)
     packed = ctx.buffer("send", size, flat.device)
     with _Timer(ctx.stats):
-        ops.quantize(flat, residual, q.bits, q.block_size, q.stochastic, seed, ctx.step,
-                     rank * n, out=packed)
+        ops.quantize(
+            flat, residual, q.bits, q.block_size, q.stochastic, seed, ctx.step, rank * n, out=packed
+        )
     gathered = ctx.buffer("gather", world * size, flat.device)
-    ctx.stats.record("q_all_gather", (world - 1) * size,
-                     dense_bytes(n, world, flat.element_size()))
+    ctx.stats.record("q_all_gather", (world - 1) * size, dense_bytes(n, world, flat.element_size()))
     work = _all_gather_single(gathered, packed, group=pg, async_op=True)
     records = math.ceil(n / q.block_size)
     rec = 4 + q.block_size * q.bits // 8
@@ -366,8 +378,9 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
     def decode(fut):
         fut.wait()
         with _Timer(ctx.stats):
-            out = ops.dequantize_sum(gathered.view(world, size), n, q.bits, q.block_size,
-                                     world, flat.dtype, out=flat)
+            out = ops.dequantize_sum(
+                gathered.view(world, size), n, q.bits, q.block_size, world, flat.dtype, out=flat
+            )
             # Every rank sees every payload, so all agree on whether the step was finite.
             if residual is not None and not _blocks_finite(gathered, world * records, rec):
                 ctx.memory.reset(ctx.key)
@@ -385,8 +398,10 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
     per_chunk = chunk // block  # records per chunk
     records = math.ceil(n / block)
     # Phase 1 sends the payload of the unpadded tensor: the trailing chunks may be short.
-    splits = [(min(records, (i + 1) * per_chunk) - min(records, i * per_chunk)) * rec
-              for i in range(world)]
+    splits = [
+        (min(records, (i + 1) * per_chunk) - min(records, i * per_chunk)) * rec
+        for i in range(world)
+    ]
     mine = splits[rank]
     my_numel = max(0, min(n, (rank + 1) * chunk) - rank * chunk)
     chunk_bytes = per_chunk * rec
@@ -399,13 +414,16 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
     owner_residual = ctx.residual("q_owner", my_numel, flat.device) if q.error_feedback else None
     packed = ctx.buffer("send", records * rec, flat.device)
     with _Timer(ctx.stats):
-        ops.quantize(flat, residual, bits, block, q.stochastic, seed, ctx.step, rank * stride,
-                     out=packed)
+        ops.quantize(
+            flat, residual, bits, block, q.stochastic, seed, ctx.step, rank * stride, out=packed
+        )
     received = ctx.buffer("receive", world * mine, flat.device)
-    ctx.stats.record("q_two_phase", sum(splits) - mine + (world - 1) * chunk_bytes,
-                     dense_bytes(n, world, flat.element_size()))
-    work = dist.all_to_all_single(received, packed, [mine] * world, splits, group=pg,
-                                  async_op=True)
+    ctx.stats.record(
+        "q_two_phase",
+        sum(splits) - mine + (world - 1) * chunk_bytes,
+        dense_bytes(n, world, flat.element_size()),
+    )
+    work = dist.all_to_all_single(received, packed, [mine] * world, splits, group=pg, async_op=True)
     ticket = seq.ticket()
     result: Future = Future()
     gathered = ctx.buffer("gather", world * chunk_bytes, flat.device)
@@ -428,10 +446,19 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
             fut.wait()
             with _Timer(ctx.stats):
                 reduced = ops.dequantize_sum_requantize(
-                    received.view(world, mine), owner_residual, my_numel, bits, block, world,
-                    q.stochastic, seed, ctx.step, rank * stride + world * chunk + rank * chunk)
+                    received.view(world, mine),
+                    owner_residual,
+                    my_numel,
+                    bits,
+                    block,
+                    world,
+                    q.stochastic,
+                    seed,
+                    ctx.step,
+                    rank * stride + world * chunk + rank * chunk,
+                )
             send[: reduced.numel()] = reduced
-            send[reduced.numel():] = 0  # short trailing chunks: zero records, never read
+            send[reduced.numel() :] = 0  # short trailing chunks: zero records, never read
         except Exception as exc:  # noqa: BLE001
             # Still take part in phase 2 so no peer hangs; all-ones bytes make NaN
             # magnitudes, so every rank's result is non-finite, and this rank raises.
@@ -439,8 +466,7 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
             error = exc
 
         def issue():
-            w2 = _all_gather_single(gathered, send, group=seq.companion,
-                                             async_op=True)
+            w2 = _all_gather_single(gathered, send, group=seq.companion, async_op=True)
             if error is not None:
                 w2.get_future().then(lambda _: result.set_exception(error))
             else:

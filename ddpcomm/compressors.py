@@ -191,8 +191,14 @@ class Quantizer(Compressor):
         return 2 * (world - 1) * chunk_payload
 
     def config(self) -> tuple:
-        return (self.spec, self.block_size, self.stochastic, self.error_feedback,
-                self.algorithm, self.seed)
+        return (
+            self.spec,
+            self.block_size,
+            self.stochastic,
+            self.error_feedback,
+            self.algorithm,
+            self.seed,
+        )
 
 
 # Spec prefix -> factory(argument after the colon or None, **options).

@@ -12,7 +12,6 @@ per-bucket error-feedback residuals and the statistics; ``state=None`` gives eac
 model its own default state, so two models in one process never share buffers.
 """
 
-
 import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
@@ -20,6 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ddpcomm import collectives
 from ddpcomm.collectives import ReduceContext, ResidualMemory, Stats, Workspace
 from ddpcomm.compressors import Compressor, Quantizer, check_float_tensor
+from ddpcomm.layout import LayoutTracker, Reformer
 
 
 def _check_iter(value, arg: str) -> int:
@@ -40,11 +40,29 @@ class CompressionState:
         process_group: the group to reduce over; None means the default group.
     """
 
-    __slots__ = ("compressor", "start_iter", "min_numel", "process_group", "iteration",
-                 "memory", "workspace", "_stats", "_verified", "__weakref__")
+    __slots__ = (
+        "compressor",
+        "start_iter",
+        "min_numel",
+        "process_group",
+        "iteration",
+        "memory",
+        "workspace",
+        "layout",
+        "_resume",
+        "_reformer",
+        "_stats",
+        "_verified",
+        "__weakref__",
+    )
 
-    def __init__(self, compressor: Compressor, start_iter: int = 0, min_numel: int = 0,
-                 process_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        compressor: Compressor,
+        start_iter: int = 0,
+        min_numel: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
         if not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be a ddpcomm Compressor, got {compressor!r}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
@@ -56,6 +74,9 @@ class CompressionState:
         self.iteration = 0
         self.memory = ResidualMemory()
         self.workspace = Workspace()
+        self.layout = LayoutTracker()
+        self._resume: dict | None = None  # a loaded checkpoint's bucket layout
+        self._reformer: Reformer | None = None
         self._stats = Stats()
         self._verified = False
 
@@ -72,12 +93,24 @@ class CompressionState:
     # -- checkpointing -----------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Iteration, residuals and method config; enough to resume bitwise."""
-        return {"config": self.compressor.config(), "iteration": self.iteration,
-                "start_iter": self.start_iter, "min_numel": self.min_numel,
-                "memory": self.memory.state_dict()}
+        """Iteration, residuals, bucket layout and method config: enough to resume bitwise.
+
+        Load it into a state of the same configuration, registered on the same model
+        built the same way, before the first backward pass of the resumed run.
+        """
+        return {
+            "config": self.compressor.config(),
+            "iteration": self.iteration,
+            "start_iter": self.start_iter,
+            "min_numel": self.min_numel,
+            "memory": self.memory.state_dict(),
+            "layout": self.layout.state_dict(),
+        }
 
     def load_state_dict(self, sd: dict) -> None:
+        """Restores a ``state_dict``. DDP's first iteration in the new process groups
+        gradients differently from the checkpoint's buckets; that iteration reduces them
+        in the saved buckets (ddpcomm.layout), so training continues bitwise."""
         if tuple(sd["config"]) != self.compressor.config():
             raise ValueError(
                 f"state_dict was saved with config {sd['config']}, this state has "
@@ -87,21 +120,23 @@ class CompressionState:
         self.start_iter = int(sd["start_iter"])
         self.min_numel = int(sd["min_numel"])
         self.memory.load_state_dict(sd["memory"])
+        self.layout = LayoutTracker()
+        self._resume = sd["layout"] if sd["layout"]["layouts"] else None
+        self._reformer = None
 
     def __getstate__(self) -> dict:
         # Process groups do not pickle; a restored state reduces over the default group.
-        return {"compressor": self.compressor, "start_iter": self.start_iter,
-                "min_numel": self.min_numel, "iteration": self.iteration,
-                "memory": self.memory.state_dict()}
+        return {"compressor": self.compressor, "state": self.state_dict()}
 
     def __setstate__(self, d: dict) -> None:
-        CompressionState.__init__(self, d["compressor"], d["start_iter"], d["min_numel"], None)
-        self.iteration = d["iteration"]
-        self.memory.load_state_dict(d["memory"])
+        CompressionState.__init__(self, d["compressor"])
+        self.load_state_dict(d["state"])
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({self.compressor!r}, start_iter={self.start_iter}, "
-                f"min_numel={self.min_numel}, iteration={self.iteration})")
+        return (
+            f"{type(self).__name__}({self.compressor!r}, start_iter={self.start_iter}, "
+            f"min_numel={self.min_numel}, iteration={self.iteration})"
+        )
 
 
 class QuantizeState(CompressionState):
@@ -127,12 +162,24 @@ class QuantizeState(CompressionState):
 
     __slots__ = ()
 
-    def __init__(self, bits: int = 8, block_size: int = 256, stochastic: bool = False,
-                 error_feedback: bool | None = None, algorithm: str = "auto",
-                 start_iter: int = 0, min_numel: int = 0,
-                 process_group: dist.ProcessGroup | None = None, seed: int = 0) -> None:
-        super().__init__(Quantizer(bits, block_size, stochastic, error_feedback, algorithm, seed),
-                         start_iter, min_numel, process_group)
+    def __init__(
+        self,
+        bits: int = 8,
+        block_size: int = 256,
+        stochastic: bool = False,
+        error_feedback: bool | None = None,
+        algorithm: str = "auto",
+        start_iter: int = 0,
+        min_numel: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            Quantizer(bits, block_size, stochastic, error_feedback, algorithm, seed),
+            start_iter,
+            min_numel,
+            process_group,
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -161,41 +208,58 @@ def default_state(bucket: dist.GradBucket, factory) -> CompressionState:
     return state
 
 
-def _signature(bucket: dist.GradBucket) -> tuple:
-    """The bucket's layout: its parameters' shapes in order. Portable across processes (a
-    resumed run must recognise its residuals), and it changes when DDP rebuilds a bucket
-    from other parameters."""
-    return tuple(tuple(p.shape) for p in bucket.parameters())
-
-
 # --------------------------------------------------------------------------------------
 # Hooks
 # --------------------------------------------------------------------------------------
 
 
+def _reduce(state: CompressionState, flat: torch.Tensor, key: int, signature: tuple):
+    """Plain before start_iter and for small buckets, the compressed all-reduce otherwise."""
+    ctx = ReduceContext(
+        group=state.process_group,
+        memory=state.memory,
+        key=key,
+        step=state.iteration,
+        signature=signature,
+        stats=state._stats,
+        workspace=state.workspace,
+    )
+    if state.iteration < state.start_iter or flat.numel() < state.min_numel:
+        return collectives.plain_all_reduce(flat, ctx)
+    if not state._verified:
+        collectives.verify_config(
+            state.compressor.config(), flat.numel(), state.process_group, flat.device
+        )
+        state._verified = True
+    return collectives.all_reduce_mean(flat, state.compressor, ctx)
+
+
 def run_compressed_hook(state: CompressionState, bucket: dist.GradBucket):
-    """The body every compressing hook shares: plain before start_iter and for small
-    buckets, the compressed all-reduce otherwise."""
+    """The body every compressing hook shares. Residuals are keyed by bucket index and
+    checked against the bucket's layout (parameter shapes), so DDP's bucket rebuild
+    resets them instead of applying them to the wrong parameters."""
     buffer = bucket.buffer()
     check_float_tensor(buffer, "bucket")
-    ctx = ReduceContext(group=state.process_group, memory=state.memory, key=bucket.index(),
-                        step=state.iteration, signature=_signature(bucket),
-                        stats=state._stats, workspace=state.workspace)
-    if state.iteration < state.start_iter or buffer.numel() < state.min_numel:
-        fut = collectives.plain_all_reduce(buffer, ctx)
-    else:
-        if not state._verified:
-            collectives.verify_config(state.compressor.config(), buffer.numel(),
-                                      state.process_group, buffer.device)
-            state._verified = True
-        fut = collectives.all_reduce_mean(buffer, state.compressor, ctx)
+    ords, params = state.layout.observe(bucket)
+    fut = None
+    if state._resume is not None:
+        if state._reformer is None:
+            state._reformer = Reformer(
+                state._resume, state.layout, lambda flat, key, sig: _reduce(state, flat, key, sig)
+            )
+        if not state._reformer.matches(bucket.index(), ords):
+            fut = state._reformer.add(bucket, ords, params)
+    if fut is None:
+        fut = _reduce(state, buffer, bucket.index(), state.layout.signature(ords))
     if bucket.is_last():
         state.iteration += 1
+        state._resume = state._reformer = None  # DDP has its own layout from now on
     return fut
 
 
-def quantize_hook(state: QuantizeState | None, bucket: dist.GradBucket
-                  ) -> torch.futures.Future[torch.Tensor]:
+def quantize_hook(
+    state: QuantizeState | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP hook: all-reduces the bucket as packed b-bit codes with block scales.
 
     ``state=None`` uses ``QuantizeState()`` (8 bits, block 256), one per DDP model.
@@ -207,8 +271,9 @@ def quantize_hook(state: QuantizeState | None, bucket: dist.GradBucket
     return run_compressed_hook(state, bucket)
 
 
-def allreduce_hook(state: dist.ProcessGroup | None, bucket: dist.GradBucket
-                   ) -> torch.futures.Future[torch.Tensor]:
+def allreduce_hook(
+    state: dist.ProcessGroup | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP hook: the plain, lossless mean (what DDP does without a hook).
 
     ``state`` is the process group to use, or None for the default group.

@@ -62,7 +62,11 @@ def quantize(
 
 
 def dequantize(
-    packed: torch.Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype,
+    packed: torch.Tensor,
+    numel: int,
+    bits: int,
+    block_size: int,
+    dtype: torch.dtype,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ``numel`` values a payload encodes, in ``dtype`` (or written into ``out``)."""
@@ -74,8 +78,13 @@ def dequantize(
 
 
 def dequantize_sum(
-    payloads: torch.Tensor, numel: int, bits: int, block_size: int, divisor: int,
-    dtype: torch.dtype, out: torch.Tensor | None = None,
+    payloads: torch.Tensor,
+    numel: int,
+    bits: int,
+    block_size: int,
+    divisor: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Row-order fp32 sum of the [N, P] payloads' values, divided by ``divisor``."""
     if out is None:
@@ -87,8 +96,9 @@ def dequantize_sum(
 
 def _check_out(out: torch.Tensor, numel: int, dtype: torch.dtype, op: str) -> None:
     if out.numel() != numel or out.dtype != dtype:
-        raise ValueError(f"{op}: out must have {numel} elements of {dtype}, got "
-                         f"{out.numel()} of {out.dtype}")
+        raise ValueError(
+            f"{op}: out must have {numel} elements of {dtype}, got {out.numel()} of {out.dtype}"
+        )
 
 
 def dequantize_sum_requantize(
@@ -140,6 +150,16 @@ def _(payloads, out, bits, block_size, divisor):
 
 
 @torch.library.register_fake("ddpcomm::dequantize_sum_requantize")
-def _(payloads, residual, numel, bits, block_size, divisor, stochastic=False, seed=0, step=0,
-      rng_offset=0):
+def _(
+    payloads,
+    residual,
+    numel,
+    bits,
+    block_size,
+    divisor,
+    stochastic=False,
+    seed=0,
+    step=0,
+    rng_offset=0,
+):
     return payloads.new_empty(payload_bytes(numel, bits, block_size), dtype=torch.uint8)

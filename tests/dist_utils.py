@@ -1,68 +1,13 @@
 """Spawned gloo process groups for multi-rank tests.
 
 ``run_ranks(fn, world, *args)`` starts ``world`` processes, each with a gloo group over a
-file store, runs ``fn(rank, world, *args)`` in every one and returns their results in rank
-order. A failure on any rank raises here with that rank's traceback; a hang becomes a
-timeout error instead of a stuck test run.
+file store and one thread, runs ``fn(rank, world, *args)`` in every one and returns their
+results in rank order. A failure on any rank raises here with that rank's traceback; a
+hang becomes a timeout error instead of a stuck test run.
 """
 
-from __future__ import annotations
-
-import datetime
-import os
-import queue
-import tempfile
-import traceback
-
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-
-def _entry(fn, rank, world, store_path, results, args):
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=60),
-        )
-        try:
-            out = fn(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, True, out))
-    except BaseException:  # noqa: BLE001 - every failure is reported to the parent
-        results.put((rank, False, traceback.format_exc()))
+from ddpcomm.bench._spawn import spawn
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 240.0) -> list:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, results, args))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        out: dict[int, object] = {}
-        errors = []
-        try:
-            for _ in range(world):
-                rank, ok, value = results.get(timeout=timeout)
-                if ok:
-                    out[rank] = value
-                else:
-                    errors.append(f"rank {rank} failed:\n{value}")
-                    break
-        except queue.Empty:
-            errors.append(f"timed out after {timeout}s waiting for ranks "
-                          f"{sorted(set(range(world)) - set(out))}")
-        finally:
-            for p in procs:
-                p.join(timeout=5 if not errors else 0.5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return [out[r] for r in range(world)]
+    return spawn(fn, world, *args, threads=1, timeout=timeout)

@@ -29,8 +29,9 @@ def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
     return padded.view(nb, block).amax(1).repeat_interleave(block)[:n]
 
 
-def quantization_error_bound(xs: list[torch.Tensor], bits: int, two_phase: bool,
-                             chunk: int) -> torch.Tensor:
+def quantization_error_bound(
+    xs: list[torch.Tensor], bits: int, two_phase: bool, chunk: int
+) -> torch.Tensor:
     """Analytic per-element bound on |result - exact mean| for deterministic rounding.
 
     Each rank's quantization moves x by at most step/2 = m / (2L) (b >= 2) or by at most
@@ -83,8 +84,9 @@ def check_equivalence(rank, world):
             out, _ = _reduce(xs[rank], q)
             assert out.dtype == torch.float32 and out.shape == (n,)
             assert _results_identical(out, world), (bits, algorithm)
-            bound = quantization_error_bound(xs, bits, algorithm == "two_phase",
-                                             q.chunk_numel(n, world))
+            bound = quantization_error_bound(
+                xs, bits, algorithm == "two_phase", q.chunk_numel(n, world)
+            )
             err = (out - exact).abs()
             assert bool((err <= bound).all()), (bits, algorithm, float((err - bound).max()))
 
@@ -93,7 +95,8 @@ def check_equivalence(rank, world):
         q = compressors.Quantizer(8, BLOCK)
         out, _ = _reduce(xs[rank].to(dtype), q)
         assert out.dtype == dtype and _results_identical(out, world)
-        torch.testing.assert_close(out.float(), exact, rtol=0.05, atol=0.05 * float(exact.abs().max()))
+        tol = 0.05 * float(exact.abs().max())
+        torch.testing.assert_close(out.float(), exact, rtol=0.05, atol=tol)
     return True
 
 
@@ -128,7 +131,7 @@ def check_error_feedback_invariant(rank, world):
         owner = memory.buffers.get(("q_owner", 7))
         if owner is not None:
             chunk = q.chunk_numel(n, world)
-            residual[rank * chunk: rank * chunk + owner.numel()] += owner.double()
+            residual[rank * chunk : rank * chunk + owner.numel()] += owner.double()
         dist.all_reduce(residual)
         lhs = world * total_out + residual
         scale = float(total_in.abs().max())
@@ -178,10 +181,12 @@ def check_out_of_order_completion(rank, world):
     q = compressors.Quantizer(4, BLOCK, algorithm="two_phase", error_feedback=True)
     memory = ResidualMemory()
     xs = [rank_input(rank, s, k) for k, s in enumerate(sizes)]
-    futs = [collectives.all_reduce_mean(x.clone(), q, ReduceContext(memory=memory, key=k))
-            for k, x in enumerate(xs)]
+    futs = [
+        collectives.all_reduce_mean(x.clone(), q, ReduceContext(memory=memory, key=k))
+        for k, x in enumerate(xs)
+    ]
     outs = [f.wait() for f in reversed(futs)][::-1]
-    for k, (s, out) in enumerate(zip(sizes, outs)):
+    for k, (s, out) in enumerate(zip(sizes, outs, strict=True)):
         assert out.numel() == s
         everyone = [rank_input(r, s, k) for r in range(world)]
         bound = quantization_error_bound(everyone, 4, True, q.chunk_numel(s, world))

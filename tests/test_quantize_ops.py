@@ -63,8 +63,9 @@ def test_block_sizes(block):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dequantize_sum_matches_reference(bits, dtype):
     for n in (0, 1, 1000, 2**16 + 5):
-        payloads = torch.stack([ops.quantize(_input(n, torch.float32, s), None, bits, 128)
-                                for s in range(3)])
+        payloads = torch.stack(
+            [ops.quantize(_input(n, torch.float32, s), None, bits, 128) for s in range(3)]
+        )
         for divisor in (1, 3):
             got = ops.dequantize_sum(payloads, n, bits, 128, divisor, dtype)
             want = ref.dequantize_sum(payloads, n, bits, 128, divisor, dtype)
@@ -74,16 +75,19 @@ def test_dequantize_sum_matches_reference(bits, dtype):
 @pytest.mark.parametrize("bits", BITS)
 def test_dequantize_sum_requantize_matches_reference(bits):
     for n in (0, 1, 999, 2**16 + 5):
-        payloads = torch.stack([ops.quantize(_input(n, torch.float32, s), None, bits, 128)
-                                for s in range(4)])
+        payloads = torch.stack(
+            [ops.quantize(_input(n, torch.float32, s), None, bits, 128) for s in range(4)]
+        )
         for stochastic in (False, True):
             for ef in (False, True):
                 r1 = torch.randn(n) if ef else None
                 r2 = r1.clone() if ef else None
-                got = ops.dequantize_sum_requantize(payloads, r1, n, bits, 128, 4, stochastic,
-                                                    5, 6, 7)
-                want = ref.dequantize_sum_requantize(payloads, r2, n, bits, 128, 4, stochastic,
-                                                     5, 6, 7)
+                got = ops.dequantize_sum_requantize(
+                    payloads, r1, n, bits, 128, 4, stochastic, 5, 6, 7
+                )
+                want = ref.dequantize_sum_requantize(
+                    payloads, r2, n, bits, 128, 4, stochastic, 5, 6, 7
+                )
                 assert torch.equal(got, want)
                 if ef:
                     assert torch.equal(r1, r2)
@@ -128,8 +132,9 @@ def test_stochastic_rounding_unbiased(bits):
     x = torch.linspace(-1.0, 1.0, n) * torch.tensor([0.3, 1.0]).repeat(n // 2)
     acc = torch.zeros(n, dtype=torch.float64)
     for s in range(seeds):
-        acc += ops.dequantize(ops.quantize(x, None, bits, block, True, s, 0), n, bits, block,
-                              torch.float32).double()
+        acc += ops.dequantize(
+            ops.quantize(x, None, bits, block, True, s, 0), n, bits, block, torch.float32
+        ).double()
     mean = (acc / seeds).float()
     m = x.abs().view(-1, block).amax(1).repeat_interleave(block)
     step = m if bits == 1 else m / ref.max_level(bits)
@@ -145,8 +150,9 @@ def test_constant_blocks_round_trip_exactly(bits):
     for value in (0.0, 0.75, -3.0, 1e-20):
         x = torch.full((1024,), value)
         stochastic = False
-        deq = ops.dequantize(ops.quantize(x, None, bits, 256, stochastic), 1024, bits, 256,
-                             torch.float32)
+        deq = ops.dequantize(
+            ops.quantize(x, None, bits, 256, stochastic), 1024, bits, 256, torch.float32
+        )
         assert torch.equal(deq, x)
 
 
@@ -180,8 +186,10 @@ def test_opcheck_every_op():
         (torch.ops.ddpcomm.quantize.default, (x, None, 8, 64, False, 0, 0, 0)),
         (torch.ops.ddpcomm.dequantize.default, (payloads[0], 1000, 4, 64, torch.float16)),
         (torch.ops.ddpcomm.dequantize_sum.default, (payloads, 1000, 4, 64, 2, torch.float32)),
-        (torch.ops.ddpcomm.dequantize_sum_requantize.default,
-         (payloads, r, 1000, 4, 64, 2, False, 0, 0, 0)),
+        (
+            torch.ops.ddpcomm.dequantize_sum_requantize.default,
+            (payloads, r, 1000, 4, 64, 2, False, 0, 0, 0),
+        ),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)

@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "../checks.h"
@@ -63,10 +64,14 @@ void encode_block(const float* e, int64_t valid, int64_t B, uint8_t* record, flo
   constexpr int per_byte = 8 / kBits;
   uint8_t* out = record + kScaleBytes;
   const int64_t nbytes = code_bytes_per_block(B, kBits);
-  for (int64_t k = 0; k < nbytes; ++k) {
-    uint32_t byte = 0;
-    for (int t = 0; t < per_byte; ++t) byte |= (uint32_t)codes[k * per_byte + t] << (t * kBits);
-    out[k] = (uint8_t)byte;
+  if (kBits == 8) {
+    std::memcpy(out, codes, static_cast<size_t>(nbytes));
+  } else {
+    for (int64_t k = 0; k < nbytes; ++k) {
+      uint32_t byte = 0;
+      for (int t = 0; t < per_byte; ++t) byte |= (uint32_t)codes[k * per_byte + t] << (t * kBits);
+      out[k] = (uint8_t)byte;
+    }
   }
   if (deq != nullptr) {
     for (int64_t j = 0; j < valid; ++j) {
@@ -82,10 +87,14 @@ using EncodeFn = void (*)(const float*, int64_t, int64_t, uint8_t*, float*, uint
 EncodeFn pick_encoder(int bits, bool stochastic) {
 #define DDPC_ENC(b) stochastic ? &encode_block<b, true> : &encode_block<b, false>
   switch (bits) {
-    case 1: return DDPC_ENC(1);
-    case 2: return DDPC_ENC(2);
-    case 4: return DDPC_ENC(4);
-    default: return DDPC_ENC(8);
+    case 1:
+      return DDPC_ENC(1);
+    case 2:
+      return DDPC_ENC(2);
+    case 4:
+      return DDPC_ENC(4);
+    default:
+      return DDPC_ENC(8);
   }
 #undef DDPC_ENC
 }
@@ -113,10 +122,14 @@ using AccumulateFn = void (*)(const uint8_t*, int64_t, float*, uint8_t*);
 
 AccumulateFn pick_accumulator(int bits) {
   switch (bits) {
-    case 1: return &accumulate_record<1>;
-    case 2: return &accumulate_record<2>;
-    case 4: return &accumulate_record<4>;
-    default: return &accumulate_record<8>;
+    case 1:
+      return &accumulate_record<1>;
+    case 2:
+      return &accumulate_record<2>;
+    case 4:
+      return &accumulate_record<4>;
+    default:
+      return &accumulate_record<8>;
   }
 }
 
@@ -128,8 +141,8 @@ struct Scratch {
 };
 
 void quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                       const at::Tensor& packed, int64_t bits, int64_t block_size,
-                       bool stochastic, int64_t seed, int64_t step, int64_t rng_offset) {
+                       const at::Tensor& packed, int64_t bits, int64_t block_size, bool stochastic,
+                       int64_t seed, int64_t step, int64_t rng_offset) {
   check_quantize_args(x, residual, bits, block_size, "quantize");
   const int64_t n = x.numel();
   check_out(packed, at::kByte, payload_bytes(n, block_size, (int)bits), x.device(), "quantize");
@@ -146,13 +159,18 @@ void quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& res
       Scratch s(B);
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t start = blk * B, valid = std::min(B, n - start);
-        for (int64_t j = 0; j < valid; ++j) s.e[j] = static_cast<float>(xp[start + j]);
-        if (res != nullptr) {
-          for (int64_t j = 0; j < valid; ++j) s.e[j] = s.e[j] + res[start + j];
+        const float* e = s.e.data();
+        if (std::is_same_v<scalar_t, float> && res == nullptr && valid == B) {
+          e = reinterpret_cast<const float*>(xp + start);  // full fp32 block: no staging
+        } else {
+          for (int64_t j = 0; j < valid; ++j) s.e[j] = static_cast<float>(xp[start + j]);
+          if (res != nullptr) {
+            for (int64_t j = 0; j < valid; ++j) s.e[j] = s.e[j] + res[start + j];
+          }
+          std::fill(s.e.begin() + valid, s.e.end(), 0.0f);
         }
-        std::fill(s.e.begin() + valid, s.e.end(), 0.0f);
-        encode(s.e.data(), valid, B, out + blk * rec, res ? s.deq.data() : nullptr, key,
-               rng_offset + start, s.tree.data(), s.codes.data());
+        encode(e, valid, B, out + blk * rec, res ? s.deq.data() : nullptr, key, rng_offset + start,
+               s.tree.data(), s.codes.data());
         if (res != nullptr) {
           for (int64_t j = 0; j < valid; ++j) res[start + j] = s.e[j] - s.deq[j];
         }
@@ -165,8 +183,8 @@ at::Tensor quantize_cpu(const at::Tensor& x, const std::optional<at::Tensor>& re
                         int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
                         int64_t step, int64_t rng_offset) {
   check_bits_block(bits, block_size, "quantize");
-  auto packed = at::empty({payload_bytes(x.numel(), block_size, (int)bits)},
-                          x.options().dtype(at::kByte));
+  auto packed =
+      at::empty({payload_bytes(x.numel(), block_size, (int)bits)}, x.options().dtype(at::kByte));
   quantize_into_cpu(x, residual, packed, bits, block_size, stochastic, seed, step, rng_offset);
   return packed;
 }
@@ -196,8 +214,8 @@ void dequantize_into_cpu(const at::Tensor& packed, const at::Tensor& result, int
   });
 }
 
-at::Tensor dequantize_cpu(const at::Tensor& packed, int64_t numel, int64_t bits,
-                          int64_t block_size, at::ScalarType dtype) {
+at::Tensor dequantize_cpu(const at::Tensor& packed, int64_t numel, int64_t bits, int64_t block_size,
+                          at::ScalarType dtype) {
   check_payloads(packed, 1, numel, bits, block_size, dtype, "dequantize");
   auto result = at::empty({numel}, packed.options().dtype(dtype));
   dequantize_into_cpu(packed, result, bits, block_size);
@@ -222,7 +240,7 @@ void dequantize_sum_into_cpu(const at::Tensor& payloads, const at::Tensor& resul
   const int64_t B = block_size, nb = num_blocks(numel, B), rec = record_bytes(B, (int)bits);
   const int64_t rows = pc.size(0), row_bytes = pc.size(1);
   const uint8_t* in = pc.data_ptr<uint8_t>();
-    const float div = (float)divisor;
+  const float div = (float)divisor;
   const AccumulateFn accumulate = pick_accumulator((int)bits);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "dequantize_sum", [&] {
     scalar_t* op = result.data_ptr<scalar_t>();
@@ -247,10 +265,10 @@ at::Tensor dequantize_sum_cpu(const at::Tensor& payloads, int64_t numel, int64_t
 }
 
 at::Tensor dequantize_sum_requantize_cpu(const at::Tensor& payloads,
-                                         const std::optional<at::Tensor>& residual,
-                                         int64_t numel, int64_t bits, int64_t block_size,
-                                         int64_t divisor, bool stochastic, int64_t seed,
-                                         int64_t step, int64_t rng_offset) {
+                                         const std::optional<at::Tensor>& residual, int64_t numel,
+                                         int64_t bits, int64_t block_size, int64_t divisor,
+                                         bool stochastic, int64_t seed, int64_t step,
+                                         int64_t rng_offset) {
   check_payloads(payloads, 2, numel, bits, block_size, at::kFloat, "dequantize_sum_requantize");
   check_residual(residual, numel, payloads.device(), "dequantize_sum_requantize");
   TORCH_CHECK(divisor >= 1, "dequantize_sum_requantize: divisor must be >= 1, got ", divisor);
@@ -262,7 +280,7 @@ at::Tensor dequantize_sum_requantize_cpu(const at::Tensor& payloads,
   uint8_t* out = packed.data_ptr<uint8_t>();
   float* res = residual ? residual->data_ptr<float>() : nullptr;
   const EncodeFn encode = pick_encoder((int)bits, stochastic);
-    const uint64_t key = rng_key((uint64_t)seed, (uint64_t)step);
+  const uint64_t key = rng_key((uint64_t)seed, (uint64_t)step);
   const float div = (float)divisor;
   const AccumulateFn accumulate = pick_accumulator((int)bits);
   at::parallel_for(0, nb, grain_blocks(B), [&](int64_t b0, int64_t b1) {

@@ -166,9 +166,8 @@ def print_table(rows, numel: int, world: int) -> None:
     print("-" * len(head))
     base = rows[0]["bytes_per_step"]
     for r in rows:
-        size = f"{r['bytes_per_step'] / 1e6:.3f} MB" + (
-            "*" if r["bytes_source"] == "formula" else " "
-        )
+        mark = "*" if r["bytes_source"] == "formula" else " "
+        size = f"{r['bytes_per_step'] / 1e6:.3f} MB{mark}"
         ratio = f"{base / r['bytes_per_step']:.2f}x"
         if r["status"] != "ok":
             print(f"{r['method']:<36} {size:>16} {ratio:>10}  {r['status']}")
