@@ -60,7 +60,9 @@ def _mb(b) -> str:
 
 
 def print_collectives(rows: list[dict], env: dict) -> None:
-    print(f"link: {env['link']}   cpus: {env['host_cpus']}   load: {env['loadavg_1_5_15']}")
+    print(f"cpus: {env['host_cpus']}   load at start: {env['loadavg_1_5_15']}")
+    for world, link in env.get("links", {"": env["link"]}).items():
+        print(f"link{f' (world {world})' if world else ''}: {link}")
     for c in env.get("link_checks", []):
         print(
             f"link check (world {c['world']}): {c['link_check_MiB']} MiB rank 0 -> 1 "
@@ -85,7 +87,10 @@ def print_collectives(rows: list[dict], env: dict) -> None:
         "status",
     ]
     body = []
-    for r in sorted(rows, key=lambda r: (r["world"], r["size_mib"])):
+    from ddpcomm.bench.collectives import METHODS
+
+    order = {m: i for i, m in enumerate(METHODS)}
+    for r in sorted(rows, key=lambda r: (r["world"], r["size_mib"], order[r["method"]])):
         base = plain.get((r["world"], r["size_mib"]))
         ok = r.get("status") == "ok"
         ideal = (

@@ -207,6 +207,7 @@ def run(args) -> int:
         rate = parse_rate(args.link) / 8 if links is not None else None
         with links if links is not None else _report.nullcontext():
             env["link"] = links.describe() if links is not None else note
+            env.setdefault("links", {})[world] = env["link"]
             progress(f"world {world}: {env['link']}")
             rows += sweep(args, world, links, rate, env)
     # JSON first: the measurements survive even if printing fails.
@@ -274,19 +275,19 @@ def sweep(args, world: int, links, rate_Bps: float | None, env: dict) -> list[di
         for c in rest:
             if c["method"] in failed_methods:
                 at, reason = failed_methods[c["method"]]
-                rows.append(_failed_row(c, f"not run: failed at {at:g} MiB ({reason})"))
+                rows.append(_failed_row(c, f"failed at {at:g} MiB: {reason}", "not run"))
             else:
                 cases.append(c)
     return rows
 
 
-def _failed_row(case: dict, reason: str) -> dict:
+def _failed_row(case: dict, reason: str, status: str = "failed") -> dict:
     return {
         "method": case["method"],
         "world": case["world"],
         "size_mib": case["size_mib"],
         "numel": case["numel"],
-        "status": "failed",
+        "status": status,
         "reason": reason,
         "formula_bytes": case["formula_bytes"],
     }
