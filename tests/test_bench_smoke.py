@@ -63,6 +63,7 @@ def test_train_quick_q8(tmp_path):
     assert row["replicas_identical"]
     assert len(row["loss"]) == 12 and all(0 < x < 10 for x in row["loss"])
     assert row["bytes_per_step"] > 0 and row["compress_s_per_step"] >= 0
+    assert 0 < row["eval_loss"] < 10
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -104,11 +104,16 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
             )
     dist.barrier()
     tx1 = _worker.tx_bytes(common.get("ifname"))
+    # Held-out loss on one fixed batch, the same for every method and rank: a far less
+    # noisy end point than the last training losses (128 tokens per rank per step).
+    ex, ey = lang.batch(case["eval_batch"], cfg.seq, seed=999_999_937)
+    with torch.no_grad():
+        eval_loss = model(ex.to(device), ey.to(device)).item()
     measured = steps - warm
 
     # Loss curve: mean over ranks per step. Step time: the slowest rank's.
     gathered = [None] * world
-    dist.all_gather_object(gathered, (losses, times))
+    dist.all_gather_object(gathered, (losses, times, eval_loss))
     curve = [statistics.fmean(g[0][i] for g in gathered) for i in range(steps)]
     step_times = [max(g[1][i] for g in gathered) for i in range(steps)]
     timed = step_times[warm:]
@@ -119,6 +124,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         median_step_s=statistics.median(timed),
         mean_step_s=statistics.fmean(timed),
         params=num_params(model),
+        eval_loss=statistics.fmean(g[2] for g in gathered),
     )
     if tx1 is not None:
         result["wire_bytes_per_step"] = (tx1 - tx0) / measured

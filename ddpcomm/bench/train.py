@@ -77,6 +77,12 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    p.add_argument(
+        "--eval-batch",
+        type=int,
+        default=32,
+        help="sequences in the fixed held-out batch scored after training",
+    )
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -109,10 +115,10 @@ def add_parser(subparsers) -> None:
 
 
 def _validate(args) -> GPTConfig:
-    for name in ("world", "steps", "batch", "seq"):
+    for name in ("world", "steps", "batch", "seq", "eval_batch"):
         value = getattr(args, name)
         if value < 1:
-            raise SystemExit(f"--{name} must be >= 1, got {value}")
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.world < 2:
         raise SystemExit(f"--world must be >= 2 (DDP needs peers to talk to), got {args.world}")
     if not 0 <= args.warmup_steps < args.steps:
@@ -139,6 +145,7 @@ def _validate(args) -> GPTConfig:
 def run(args) -> int:
     if args.quick:
         args.steps, args.warmup_steps, args.batch, args.seq = 12, 2, 2, 32
+        args.eval_batch = 4
         args.d_model, args.layers, args.heads, args.vocab = 64, 2, 2, 256
     cfg = _validate(args)
     env = _report.environment()
@@ -154,6 +161,7 @@ def run(args) -> int:
             "lr": args.lr,
             "warmup_steps": args.warmup_steps,
             "batch": args.batch,
+            "eval_batch": args.eval_batch,
             "seed": args.seed,
             "label": f"train {m}: {args.steps} steps",
         }
@@ -252,7 +260,8 @@ def print_train(rows: list[dict], env: dict) -> None:
         "wire MB",
         "compress ms",
         "first loss",
-        f"final loss (last {LAST})",
+        f"train loss (last {LAST})",
+        "eval loss",
         "vs ddp",
         "status",
     ]
@@ -260,7 +269,7 @@ def print_train(rows: list[dict], env: dict) -> None:
     for r in rows:
         if r.get("status") != "ok":
             body.append(
-                [r["method"]] + ["-"] * 8 + [f"{r['status']}: {_report.short(r.get('reason', ''))}"]
+                [r["method"]] + ["-"] * 9 + [f"{r['status']}: {_report.short(r.get('reason', ''))}"]
             )
             continue
         fl = final_loss(r)
@@ -274,7 +283,8 @@ def print_train(rows: list[dict], env: dict) -> None:
                 f"{r['compress_s_per_step'] * 1e3:.0f}" if "compress_s_per_step" in r else "-",
                 f"{r['loss'][0]:.3f}",
                 f"{fl:.3f}",
-                f"{(fl / final_loss(base) - 1) * 100:+.2f}%" if base else "-",
+                f"{r['eval_loss']:.3f}",
+                f"{(r['eval_loss'] / base['eval_loss'] - 1) * 100:+.2f}%" if base else "-",
                 "ok" if r.get("replicas_identical", True) else "ok (replicas differ!)",
             ]
         )
