@@ -13,7 +13,7 @@ import sys
 from ddpcomm.bench.collectives import METHODS, formula_bytes
 
 
-def _reason(r: dict, width: int = 70) -> str:
+def _reason(r: dict, width: int = 110) -> str:
     text = f"{r['status']}: {r.get('reason', '')}".replace("|", "/")
     return text if len(text) <= width else text[: width - 3] + "..."
 

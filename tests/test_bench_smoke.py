@@ -93,8 +93,8 @@ IndexError: invalid index of a 0-dim tensor
         "IndexError: invalid index of a 0-dim tensor "
         "[quantization_hooks.py:92 quantize_and_allgather]"
     )
-    abort = "terminate called after throwing\n  what():  [enforce fail] size mismatch\n"
-    assert failure_reason(abort) == "C++ abort: [enforce fail] size mismatch"
+    abort = "terminate called\n  what():  [enforce fail at /__w/gloo/tcp/pair.cc:456] size\n"
+    assert failure_reason(abort) == "C++ abort: [enforce fail at pair.cc:456] size"
     assert failure_reason("all fine\n") is None
 
 

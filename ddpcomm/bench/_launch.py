@@ -75,7 +75,8 @@ def failure_reason(log: str) -> str | None:
     # A C++ exception that escaped (std::terminate) prints "what(): ..." and no traceback.
     what = [ln.split("what():", 1)[1].strip() for ln in lines if "what():" in ln]
     if what:
-        return f"C++ abort: {what[-1]}"
+        # Build-machine paths ("/__w/pytorch/.../pair.cc:456") say nothing; keep the file.
+        return "C++ abort: " + re.sub(r"(?:/[^\s/]+)+/([^\s/]+:\d+)", r"\1", what[-1])
     idx = next((i for i in range(len(lines) - 1, -1, -1) if _EXC.search(lines[i])), None)
     if idx is None:
         return None
