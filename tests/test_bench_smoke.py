@@ -174,3 +174,33 @@ def test_links_removed_on_sigterm_and_stale_ones_reaped():
     removed = netns.remove_stale()
     assert set(names) <= set(removed)
     assert not set(names) & set(netns.list_namespaces())
+
+
+def test_collectives_under_torchrun(tmp_path):
+    # Under torchrun every rank runs the cases in-process (gloo here, NCCL on GPUs).
+    out = tmp_path / "tr.json"
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
+        pytest.skip("torchrun is not installed next to this python")
+    proc = subprocess.run(
+        [
+            torchrun,
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "ddpcomm.bench",
+            "collectives",
+            "--quick",
+            "--methods",
+            "allreduce,q8",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["allreduce", "q8"]
+    assert all(r["status"] == "ok" and r["world"] == 2 and r["ranks_identical"] for r in rows)

@@ -108,6 +108,39 @@ def note(label: str) -> None:
         _events.note(label)
 
 
+def under_torchrun() -> bool:
+    """Whether this process is a rank started by torchrun (which then owns the ranks)."""
+    return "LOCAL_RANK" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def run_inline(cases: list[dict], common: dict, run_case) -> tuple[int, int, list[dict]]:
+    """Every torchrun rank runs the cases in-process: NCCL on GPUs, gloo otherwise.
+
+    No watchdog restarts here: torchrun owns the processes. A case that raises becomes a
+    failed row on the ranks that saw it (never dropped); a hang ends at the group timeout.
+    """
+    import traceback
+
+    from ddpcomm.bench._launch import failure_reason, progress
+
+    common = dict(common, backend="nccl" if torch.cuda.is_available() else "gloo")
+    rank, world, device = init_group(common)
+    rows = []
+    for case in cases:
+        case = dict(case, world=world)
+        if rank == 0:
+            progress(case["label"])
+        try:
+            rows.append(run_case(case, common, device))
+        except Exception as exc:
+            reason = failure_reason(traceback.format_exc()) or f"{type(exc).__name__}: {exc}"
+            keep = ("method", "world", "size_mib", "numel", "formula_bytes")
+            rows.append(
+                {**{k: case[k] for k in keep if k in case}, "status": "failed", "reason": reason}
+            )
+    return rank, world, rows
+
+
 def run(run_case: Callable[[dict, dict, torch.device], dict]) -> None:
     """Entry point of a spawned rank: every case in order, results to rank 0's events."""
     cfg = load_config()

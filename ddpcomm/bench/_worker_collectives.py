@@ -7,6 +7,7 @@ possibly under ``ip netns exec``.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 
@@ -204,56 +205,37 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
 
 
 def run_under_torchrun(args) -> int:
-    """Every rank of a torchrun job runs the sweep in-process (NCCL on GPUs).
-
-    No watchdog restarts here: torchrun owns the processes. A case that raises is
-    recorded as failed on every rank that saw it; a hang ends at the group timeout.
-    """
+    """``collectives`` under torchrun: every rank runs the sweep in-process."""
     from ddpcomm.bench import _report
-    from ddpcomm.bench._launch import progress
     from ddpcomm.bench.collectives import MIB, bucket_shapes, formula_bytes
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    common = {"pg_timeout": args.timeout or 600, "backend": backend}
-    rank, world, device = _worker.init_group(common)
-    rows = []
+    world = int(os.environ["WORLD_SIZE"])
+    cases = []
     for size in args.sizes:
         numel = int(size * MIB) // 4
         shapes = bucket_shapes(numel)
         for method in args.methods:
-            case = {
-                "method": method,
-                "world": world,
-                "size_mib": size,
-                "numel": numel,
-                "shapes": shapes,
-                "iters": args.iters,
-                "warmup": args.warmup,
-                "formula_bytes": formula_bytes(method, shapes, world),
-            }
-            if rank == 0:
-                progress(f"world {world}  {size:g} MiB  {method}")
-            try:
-                rows.append(run_case(case, common, device))
-            except Exception as exc:  # recorded as a failed row, never dropped
-                rows.append(
-                    {
-                        **{
-                            k: case[k]
-                            for k in ("method", "world", "size_mib", "numel", "formula_bytes")
-                        },
-                        "status": "failed",
-                        "reason": f"{type(exc).__name__}: {exc}",
-                    }
-                )
+            cases.append(
+                {
+                    "method": method,
+                    "size_mib": size,
+                    "numel": numel,
+                    "shapes": shapes,
+                    "iters": args.iters,
+                    "warmup": args.warmup,
+                    "formula_bytes": formula_bytes(method, shapes, world),
+                    "label": f"world {world}  {size:g} MiB  {method}",
+                }
+            )
+    rank, world, rows = _worker.run_inline(cases, {"pg_timeout": args.timeout or 600}, run_case)
     if rank == 0:
         env = _report.environment()
-        env["link"] = f"torchrun, {backend}, {world} ranks"
-        _report.print_collectives(rows, env)
+        env["link"] = f"torchrun, {dist.get_backend()}, {world} ranks"
         if args.json:
             _report.write_json(
                 args.json, {"command": "collectives", "environment": env, "rows": rows}
             )
+        _report.print_collectives(rows, env)
     dist.destroy_process_group()
     return 0
 

@@ -53,7 +53,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
     if method == "nocomm":
         net = model  # compute alone: no gradient exchange (each rank trains its own copy)
     else:
-        net = DDP(model)
+        net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         if method != "ddp":
             try:
                 hook, state, _ = make_hook(method, dist.group.WORLD)

@@ -23,6 +23,7 @@ import os
 
 from ddpcomm.bench import _report
 from ddpcomm.bench._launch import progress, run_group
+from ddpcomm.bench._worker import under_torchrun
 from ddpcomm.bench.netns import open_links, parse_rate
 
 TORCH_METHODS = [
@@ -196,7 +197,12 @@ def run(args) -> int:
     if args.quick:
         args.sizes, args.world, args.iters, args.warmup = [1], [2], 2, 1
     _validate(args)
-    if "LOCAL_RANK" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
+    if under_torchrun():
+        if args.link is not None:
+            raise SystemExit(
+                "--link cannot be used under torchrun: torchrun's ranks already "
+                "run on the network they were launched on"
+            )
         from ddpcomm.bench._worker_collectives import run_under_torchrun
 
         return run_under_torchrun(args)

@@ -23,6 +23,7 @@ import statistics
 from ddpcomm.bench import _report
 from ddpcomm.bench._gpt import GPTConfig, describe
 from ddpcomm.bench._launch import progress, run_group
+from ddpcomm.bench._worker import under_torchrun
 from ddpcomm.bench.collectives import DDPCOMM_METHODS
 from ddpcomm.bench.netns import open_links, parse_rate
 
@@ -150,9 +151,6 @@ def run(args) -> int:
     cfg = _validate(args)
     env = _report.environment()
     env["model"] = describe(cfg)
-    progress(env["model"])
-    links, note = open_links(args.world, args.link)
-    rate = parse_rate(args.link) / 8 if links is not None else None
     cases = [
         {
             "method": m,
@@ -167,6 +165,11 @@ def run(args) -> int:
         }
         for m in args.methods
     ]
+    if under_torchrun():
+        return _run_under_torchrun(args, cases, env)
+    progress(env["model"])
+    links, note = open_links(args.world, args.link)
+    rate = parse_rate(args.link) / 8 if links is not None else None
     grad_bytes = 4 * _param_count(cfg)
     speed = rate or 100e6
 
@@ -216,21 +219,44 @@ def run(args) -> int:
                 }
             )
             cases = cases[len(outcome.results) + 1 :]
+    _report_all(args, rows, env)
+    return 0
+
+
+def _report_all(args, rows: list[dict], env: dict) -> None:
     # JSON first: the measurements survive even if printing or plotting fails.
     if args.json:
+        args_out = {k: v for k, v in vars(args).items() if k != "func"}
         _report.write_json(
-            args.json,
-            {
-                "command": "train",
-                "environment": env,
-                "args": {k: v for k, v in vars(args).items() if k != "func"},
-                "rows": rows,
-            },
+            args.json, {"command": "train", "environment": env, "args": args_out, "rows": rows}
         )
     print_train(rows, env)
     if args.plot:
         plot(rows, env, args.plot)
         progress(f"plot written to {args.plot}")
+
+
+def _run_under_torchrun(args, cases: list[dict], env: dict) -> int:
+    """``train`` under torchrun: every rank trains in-process (NCCL on GPUs)."""
+    import torch.distributed as dist
+
+    from ddpcomm.bench._worker import run_inline
+    from ddpcomm.bench._worker_train import run_case
+
+    if args.link is not None:
+        raise SystemExit(
+            "--link cannot be used under torchrun: torchrun's ranks already "
+            "run on the network they were launched on"
+        )
+    rank, world, rows = run_inline(cases, {"pg_timeout": args.timeout or 600}, run_case)
+    if rank == 0:
+        env.update(
+            link=f"torchrun, {dist.get_backend()}, {world} ranks",
+            link_short="torchrun",
+            world=world,
+        )
+        _report_all(args, rows, env)
+    dist.destroy_process_group()
     return 0
 
 
