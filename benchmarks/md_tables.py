@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 
@@ -15,6 +16,8 @@ from ddpcomm.bench.collectives import METHODS, formula_bytes
 
 def _reason(r: dict, width: int = 110) -> str:
     text = f"{r['status']}: {r.get('reason', '')}".replace("|", "/")
+    # Older results kept build-machine paths in C++ aborts; the file name is what matters.
+    text = re.sub(r"(?:/[^\s/]+)+/([^\s/]+:\d+)", r"\1", text)
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
