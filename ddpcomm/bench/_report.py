@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
 import time
 
 import torch
-
-nullcontext = contextlib.nullcontext
 
 
 def environment() -> dict:

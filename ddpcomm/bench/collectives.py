@@ -18,6 +18,7 @@ all_reduce, and the ideal speedup from bytes alone (plain bytes / method bytes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 
@@ -182,6 +183,8 @@ def add_parser(subparsers) -> None:
 def _validate(args) -> None:
     if args.iters < 1:
         raise SystemExit(f"--iters must be >= 1, got {args.iters}")
+    if args.timeout is not None and not args.timeout > 0:
+        raise SystemExit(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.warmup < 0:
         raise SystemExit(f"--warmup must be >= 0, got {args.warmup}")
     if any(w < 2 for w in args.world):
@@ -211,7 +214,7 @@ def run(args) -> int:
     for world in args.world:
         links, note = open_links(world, args.link)
         rate = parse_rate(args.link) / 8 if links is not None else None
-        with links if links is not None else _report.nullcontext():
+        with links if links is not None else contextlib.nullcontext():
             env["link"] = links.describe() if links is not None else note
             env.setdefault("links", {})[world] = env["link"]
             progress(f"world {world}: {env['link']}")

@@ -17,6 +17,7 @@ limits the step, as it does for large models on 1-10 Gbit/s links.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 
@@ -124,6 +125,8 @@ def _validate(args) -> GPTConfig:
         raise SystemExit(f"--world must be >= 2 (DDP needs peers to talk to), got {args.world}")
     if not 0 <= args.warmup_steps < args.steps:
         raise SystemExit(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps}")
+    if args.timeout is not None and not args.timeout > 0:
+        raise SystemExit(f"--timeout must be > 0 seconds, got {args.timeout}")
     if not args.lr > 0:
         raise SystemExit(f"--lr must be > 0, got {args.lr}")
     if args.link is not None:
@@ -181,7 +184,7 @@ def run(args) -> int:
         return 120 + 20 * 2 * grad_bytes / speed
 
     rows = []
-    with links if links is not None else _report.nullcontext():
+    with links if links is not None else contextlib.nullcontext():
         env["link"] = links.describe() if links is not None else note
         env["link_short"] = args.link if links is not None else "loopback"
         env["world"] = args.world
