@@ -204,3 +204,44 @@ def test_collectives_under_torchrun(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["method"] for r in rows] == ["allreduce", "q8"]
     assert all(r["status"] == "ok" and r["world"] == 2 and r["ranks_identical"] for r in rows)
+
+
+def test_open_links_without_root_falls_back_loudly(monkeypatch, capsys):
+    monkeypatch.setattr(netns, "unavailable_reason", lambda: "creating namespaces needs root")
+    links, note = netns.open_links(2, "1gbit")
+    assert links is None and "fallback" in note and "needs root" in note
+    assert "falling back to loopback" in capsys.readouterr().err
+
+
+_FAKE_WORKER = """
+import time
+import torch.distributed as dist
+from ddpcomm.bench import _worker
+
+def run_case(case, common, device):
+    if case["kind"] == "hang":
+        time.sleep(600)
+    if case["kind"] == "raise" and dist.get_rank() == 1:
+        raise ValueError("boom on rank 1")
+    dist.barrier()
+    return {"kind": case["kind"]}
+
+if __name__ == "__main__":
+    _worker.run(run_case)
+"""
+
+
+@pytest.mark.parametrize(
+    "kind, reason",
+    [("raise", "ValueError: boom on rank 1"), ("hang", "timeout: no progress in 3 s")],
+)
+def test_watchdog_turns_failures_into_rows(tmp_path, monkeypatch, kind, reason):
+    from ddpcomm.bench._launch import run_group
+
+    (tmp_path / "fake_bench_worker.py").write_text(_FAKE_WORKER)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    cases = [{"kind": k, "label": k} for k in ("ok", kind, "after")]
+    outcome = run_group("fake_bench_worker", 2, None, cases, {"pg_timeout": 60}, lambda c: 3, 1)
+    assert outcome.results == [{"kind": "ok"}]
+    assert outcome.failure.case["kind"] == kind
+    assert reason in outcome.failure.reason
