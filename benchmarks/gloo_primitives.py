@@ -39,11 +39,31 @@ def _time_primitives(mb: float, iters: int) -> None:
         for w in dist.batch_isend_irecv(ops):
             w.wait()
 
+    rep = x.repeat(world)  # every rank's all_to_all input: its payload once per peer
+    a2a_out = torch.empty(world * nb, dtype=torch.uint8)
+
+    chunks = 8
+    piece = nb // chunks
+    pieces_in = [x[i * piece : (i + 1) * piece] for i in range(chunks)]
+    pieces_out = [torch.empty(world * piece, dtype=torch.uint8) for _ in range(chunks)]
+
+    def chunked_all_gather():
+        # The same bytes as 8 all_gathers issued back to back without waiting in between:
+        # does pipelining help gloo the way its chunked all_reduce does?
+        works = [
+            dist.all_gather_into_tensor(o, i, async_op=True)
+            for i, o in zip(pieces_in, pieces_out, strict=True)
+        ]
+        for w in works:
+            w.wait()
+
     prims = {
-        "all_reduce (fp32, same bytes)": lambda: dist.all_reduce(f),
+        "all_reduce (fp32, same tensor bytes)": lambda: dist.all_reduce(f),
         "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out, x),
         "all_gather (list)": lambda: dist.all_gather(outs, x),
+        "all_gather_into_tensor, 8 async chunks": chunked_all_gather,
         "batch_isend_irecv": p2p,
+        "all_to_all_single (payload x N)": lambda: dist.all_to_all_single(a2a_out, rep),
     }
     for name, fn in prims.items():
         ts = []
@@ -52,9 +72,15 @@ def _time_primitives(mb: float, iters: int) -> None:
             t0 = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t0)
+        # Bytes each rank sends: a ring all_reduce 2(N-1)/N of the tensor, every other
+        # primitive here its payload to each of the N-1 peers.
+        sent = 2 * (world - 1) / world * nb if name.startswith("all_reduce") else (world - 1) * nb
+        med = statistics.median(ts)
         if rank == 0:
             print(
-                f"{mb:8.1f} MB/rank  {name:32s} {statistics.median(ts) * 1e3:8.1f} ms", flush=True
+                f"{mb:8.1f} MB/rank  {name:40s} {med * 1e3:8.1f} ms  "
+                f"sends {sent / 1e6:6.1f} MB = {sent / med / 1e6:6.1f} MB/s",
+                flush=True,
             )
 
 
