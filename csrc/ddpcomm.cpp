@@ -30,6 +30,13 @@ TORCH_LIBRARY(ddpcomm, m) {
   m.def(
       "dequantize_sum_into(Tensor payloads, Tensor(a!) out, int bits, int block_size, "
       "int divisor) -> ()");
+
+  // Multi-tensor flatten family. Semantics and checks: csrc/flatten.h. flatten_into is a
+  // separate op rather than an optional `out` of flatten: an op whose return may alias a
+  // mutated input cannot be functionalized (torch.compile) or pass opcheck.
+  m.def("flatten(Tensor[] tensors) -> Tensor");
+  m.def("flatten_into(Tensor[] tensors, Tensor(a!) out) -> ()");
+  m.def("unflatten_into(Tensor flat, Tensor(a!)[] tensors) -> ()");
 }
 
 namespace {

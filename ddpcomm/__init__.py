@@ -25,3 +25,8 @@ __all__ = [
     "parse_compression",
     "quantize_hook",
 ]
+
+# Compressed all_reduce wrappers outside DDP (ddpcomm/wrappers.py).
+from ddpcomm.wrappers import AllReduceHandle, all_reduce, all_reduce_coalesced  # noqa: E402
+
+__all__ += ["AllReduceHandle", "all_reduce", "all_reduce_coalesced"]

@@ -163,3 +163,129 @@ def _(
     rng_offset=0,
 ):
     return payloads.new_empty(payload_bytes(numel, bits, block_size), dtype=torch.uint8)
+
+
+# --------------------------------------------------------------------------------------
+# Multi-tensor flatten family (csrc/flatten.h, csrc/cpu/flatten.cpp)
+# --------------------------------------------------------------------------------------
+
+
+def _tensor_list(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], op: str):
+    # A Tensor is iterable (over its first dim), so it must be refused explicitly.
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(
+            f"{op}: tensors must be a list or tuple of tensors, got {type(tensors).__name__}"
+        )
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        i, t = next((i, t) for i, t in enumerate(tensors) if not isinstance(t, torch.Tensor))
+        raise TypeError(f"{op}: tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
+    return tensors
+
+
+def flatten(
+    tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Concatenates every tensor's elements, in list order, into one contiguous 1-D buffer.
+
+    The layout is ``torch._utils._flatten_dense_tensors``'s, made in one native call that
+    copies in parallel over bytes. All tensors must share one dtype and device (unlike
+    torch's, nothing is promoted). Non-contiguous tensors are read in logical order. With
+    ``out`` (1-D, contiguous, same dtype and device, exactly the total number of elements,
+    sharing no memory with the inputs) the result is written there and ``out`` is returned;
+    without it, ``tensors`` must not be empty.
+
+    Example:
+        >>> import torch
+        >>> from ddpcomm import ops
+        >>> ops.flatten([torch.ones(2, 2), torch.arange(3.0)])
+        tensor([1., 1., 1., 1., 0., 1., 2.])
+        >>> buf = torch.empty(3, dtype=torch.float16)
+        >>> ops.flatten([torch.zeros(1, dtype=torch.float16), torch.ones(2).half()], out=buf)
+        tensor([0., 1., 1.], dtype=torch.float16)
+    """
+    tensors = _tensor_list(tensors, "flatten")
+    if out is None:
+        if not tensors:
+            raise ValueError(
+                "flatten: tensors must not be empty when out is not given (the result "
+                "takes its dtype and device from them)"
+            )
+        return _ops.flatten(tensors)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"flatten: out must be a torch.Tensor or None, got {type(out).__name__}")
+    _ops.flatten_into(tensors, out)
+    return out
+
+
+def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]):
+    """Writes ``flat`` back into ``tensors`` in place: the inverse of :func:`flatten`.
+
+    ``flat`` is 1-D and contiguous, with the tensors' dtype and device and exactly their
+    total number of elements. Destinations may be non-contiguous views; they must not share
+    memory with ``flat``, with each other (dense ones are checked), or within themselves
+    (expanded views are refused).
+
+    Example:
+        >>> import torch
+        >>> from ddpcomm import ops
+        >>> a, b = torch.zeros(2, 2), torch.zeros(3)
+        >>> ops.unflatten_into(torch.arange(7.0), [a, b])
+        >>> a, b
+        (tensor([[0., 1.],
+                [2., 3.]]), tensor([4., 5., 6.]))
+    """
+    tensors = _tensor_list(tensors, "unflatten_into")
+    if not isinstance(flat, torch.Tensor):
+        raise TypeError(f"unflatten_into: flat must be a torch.Tensor, got {type(flat).__name__}")
+    _ops.unflatten_into(flat, tensors)
+
+
+def _check_flatten_list(tensors, dtype, device, ref, op):
+    """The fake-tensor twin of csrc/flatten.h check_flatten_list (same errors)."""
+    for i, t in enumerate(tensors):
+        if t.layout != torch.strided:
+            raise TypeError(f"{op}: tensors[{i}] must be a strided (dense) tensor, got {t.layout}")
+        if t.dtype != dtype:
+            raise TypeError(
+                f"{op}: tensors[{i}] has dtype {t.dtype} but {ref} has {dtype}; one call "
+                "handles one dtype (group the tensors by dtype)"
+            )
+        if t.device != device:
+            raise ValueError(
+                f"{op}: tensors[{i}] is on {t.device} but {ref} is on {device}; one call "
+                "handles one device"
+            )
+
+
+def _check_flat_buffer(flat, total, arg, op):
+    """The fake-tensor twin of csrc/flatten.h check_flat_buffer (same errors)."""
+    if flat.layout != torch.strided:
+        raise TypeError(f"{op}: {arg} must be a strided tensor, got {flat.layout}")
+    if flat.dim() != 1:
+        raise ValueError(f"{op}: {arg} must be 1-D, got {flat.dim()} dimensions")
+    if not flat.is_contiguous():
+        raise ValueError(f"{op}: {arg} must be contiguous")
+    if flat.numel() != total:
+        raise ValueError(
+            f"{op}: {arg} must have {total} elements (the tensors' total), got {flat.numel()}"
+        )
+
+
+@torch.library.register_fake("ddpcomm::flatten")
+def _(tensors):
+    if not tensors:
+        raise ValueError("flatten: tensors must not be empty")
+    _check_flatten_list(tensors, tensors[0].dtype, tensors[0].device, "tensors[0]", "flatten")
+    return tensors[0].new_empty(sum(t.numel() for t in tensors))
+
+
+@torch.library.register_fake("ddpcomm::flatten_into")
+def _(tensors, out):
+    _check_flatten_list(tensors, out.dtype, out.device, "out", "flatten_into")
+    _check_flat_buffer(out, sum(t.numel() for t in tensors), "out", "flatten_into")
+
+
+@torch.library.register_fake("ddpcomm::unflatten_into")
+def _(flat, tensors):
+    _check_flatten_list(tensors, flat.dtype, flat.device, "flat", "unflatten_into")
+    _check_flat_buffer(flat, sum(t.numel() for t in tensors), "flat", "unflatten_into")

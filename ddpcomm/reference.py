@@ -245,3 +245,34 @@ def dequantize_sum_requantize(
         deq = deq.reshape(-1)[:numel]
         residual.copy_((s - float(divisor) * deq).view_as(residual))
     return packed
+
+
+# --------------------------------------------------------------------------------------
+# Multi-tensor flatten family
+# --------------------------------------------------------------------------------------
+
+
+def flatten(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every tensor's elements in logical (row-major) order, concatenated in list order.
+
+    Exactly ``torch._utils._flatten_dense_tensors`` for tensors of one dtype and device
+    (the native op refuses mixed dtypes instead of promoting them). With ``out``, the
+    result is copied into it and ``out`` returned; an empty list then needs an empty out
+    (without ``out``, an empty list raises ValueError, as torch's does).
+    """
+    if not tensors and out is not None:
+        return out
+    flat = torch._utils._flatten_dense_tensors(list(tensors))
+    if out is None:
+        return flat
+    return out.copy_(flat)
+
+
+def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copies consecutive pieces of ``flat`` into ``tensors`` in place, in list order.
+
+    The pieces are ``torch._utils._unflatten_dense_tensors(flat, tensors)``.
+    """
+    pieces = torch._utils._unflatten_dense_tensors(flat, list(tensors))
+    for t, piece in zip(tensors, pieces, strict=True):
+        t.copy_(piece)

@@ -11,7 +11,11 @@ import importlib
 import sys
 
 # Command modules, in the order `--help` lists them.
-COMMANDS = ["demo", "kernels", "collectives", "train"]
+COMMANDS = ["demo", "kernels"]
+# Fused flatten + all_reduce_coalesced against per-tensor and torch-flatten all_reduces.
+COMMANDS.append("coalesced")
+# Every method over shaped links: one bucket per call, and end-to-end DDP training.
+COMMANDS += ["collectives", "train"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,426 @@
+"""Compressed drop-ins for ``torch.distributed.all_reduce`` outside DDP.
+
+``all_reduce`` reduces one tensor in place; ``all_reduce_coalesced`` reduces a list of
+tensors with one collective per (dtype) group, flattened and unflattened by the fused
+native ops. Both take the spec strings the hooks take (``"none"``, ``"fp16"``, ``"q8"``,
+...) or a compressor object, and return ``None``, or with ``async_op=True`` an
+:class:`AllReduceHandle` with torch Work's ``wait()`` / ``get_future()``.
+
+Reductions. ``op`` is ``"sum"``, ``"mean"`` or a ``torch.distributed.ReduceOp``:
+
+- ``"none"`` + ``"sum"`` is ``dist.all_reduce(t, ReduceOp.SUM)``, bit for bit; other
+  ReduceOps (MIN, MAX, PRODUCT, ...) are passed to torch unchanged.
+- ``"none"`` + ``"mean"`` (or ``ReduceOp.AVG``) multiplies by 1/N and then sums, on every
+  backend: what DDP's reducer does and ``ddpcomm.allreduce_hook`` does (the same code
+  path, ``collectives.plain_all_reduce``), so results are bitwise DDP's; scaling first
+  keeps float16 sums from overflowing, and gloo has no AVG to defer to.
+- Lossy methods compute the mean over ranks (``collectives.all_reduce_mean``); ``"sum"``
+  multiplies it by the world size. Every rank ends with bitwise the same values.
+
+Error feedback needs a residual kept across steps, which a one-off call has nowhere to
+keep: spec strings are built with ``error_feedback=False`` (q1/q2 default it on in hooks),
+and a compressor object with error feedback on is refused. Use the hooks to get it.
+
+Every argument is checked on every tensor before any tensor is touched or any collective
+issued, so a refused call leaves its inputs unchanged and its peers not waiting. (The one
+check that runs later is whether coalesced entries share memory; see there.)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ddpcomm import collectives, ops
+from ddpcomm.collectives import ReduceContext
+from ddpcomm.compressors import Compressor, parse
+
+Future = torch.futures.Future
+ReduceOp = dist.ReduceOp
+
+
+class AllReduceHandle:
+    """What ``async_op=True`` returns: the parts of torch's ``Work`` that callers use.
+
+    ``wait()`` blocks until the reduced values are in the caller's tensors (re-raising a
+    failure) and returns True; ``get_future()`` gives a ``torch.futures.Future`` whose value
+    is the list of those tensors; ``is_completed()`` polls.
+    """
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def wait(self) -> bool:
+        self._future.wait()
+        return True
+
+    def get_future(self) -> Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def __repr__(self) -> str:
+        return f"AllReduceHandle(completed={self.is_completed()})"
+
+
+# --------------------------------------------------------------------------------------
+# Argument checks (all before any side effect)
+# --------------------------------------------------------------------------------------
+
+_OPS = ("sum", "mean")
+
+
+def _parse_op(op, lossy: bool):
+    """``"sum"`` or ``"mean"`` for the two reductions every method supports; the ReduceOp
+    itself for the others, which only the lossless path passes through."""
+    if isinstance(op, str):
+        if op not in _OPS:
+            raise ValueError(
+                f"op must be 'sum', 'mean' or a torch.distributed.ReduceOp, got {op!r}"
+            )
+        return op
+    if isinstance(op, (ReduceOp, ReduceOp.RedOpType)):
+        if op == ReduceOp.SUM:
+            return "sum"
+        if op == ReduceOp.AVG:
+            return "mean"
+        if lossy:
+            raise ValueError(
+                f"op {op} is not supported by lossy compression; use 'sum' or 'mean' "
+                "(ReduceOp.SUM / ReduceOp.AVG), or compression='none'"
+            )
+        return op
+    raise TypeError(f"op must be 'sum', 'mean' or a torch.distributed.ReduceOp, got {op!r}")
+
+
+def _parse_compression(compression) -> Compressor:
+    if isinstance(compression, str):
+        c = parse(compression)
+        # Stateless calls cannot carry a residual; build the method without it.
+        return parse(compression, error_feedback=False) if c.error_feedback else c
+    if isinstance(compression, Compressor):
+        if compression.error_feedback:
+            raise ValueError(
+                f"compression {compression!r} has error_feedback on, which needs a residual "
+                "kept across steps; ddpcomm.all_reduce is stateless: build it with "
+                "error_feedback=False, or use a DDP hook"
+            )
+        return compression
+    raise TypeError(
+        f"compression must be a spec string (e.g. 'none', 'fp16', 'q8') or a Compressor, "
+        f"got {type(compression).__name__}"
+    )
+
+
+def _check_group(group) -> dist.ProcessGroup:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "ddpcomm.all_reduce needs torch.distributed.init_process_group() to have run"
+        )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup or None, got {type(group).__name__}")
+    return group if group is not None else dist.group.WORLD
+
+
+def _check_tensor(t, arg: str, compressor: Compressor, op) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{arg} must be a dense (strided) tensor, got layout {t.layout}")
+    compressor.check_tensor(t, arg)
+    if op == "mean" and not (t.dtype.is_floating_point or t.dtype.is_complex):
+        raise TypeError(
+            f"{arg} has dtype {t.dtype}; op='mean' needs a floating point or complex tensor "
+            "(use op='sum' for integers)"
+        )
+
+
+def _group_by_dtype(tensors, compressor: Compressor, op) -> dict[torch.dtype, list]:
+    """Checks every entry and groups them by dtype, in order of first appearance.
+
+    The dtype-dependent checks run once per dtype: with hundreds of small tensors per
+    call, per-tensor Python work is a visible share of the call's latency.
+    """
+    groups: dict[torch.dtype, list] = {}
+    device = None
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        members = groups.get(t.dtype)
+        if members is None:
+            _check_tensor(t, f"tensors[{i}]", compressor, op)
+            members = groups[t.dtype] = []
+        if t.layout != torch.strided:
+            raise TypeError(f"tensors[{i}] must be a dense (strided) tensor, got {t.layout}")
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(
+                f"tensors[{i}] is on {t.device} but tensors[0] is on {device}; "
+                "all_reduce_coalesced takes tensors on one device (call it once per device)"
+            )
+        # Reducing values is not differentiable (dist.all_reduce ignores autograd too);
+        # a detached alias lets parameters that require grad be written in place.
+        members.append(t.detach() if t.requires_grad else t)
+    return groups
+
+
+# --------------------------------------------------------------------------------------
+# Per-group bookkeeping for lossy calls
+# --------------------------------------------------------------------------------------
+
+_LOCK = threading.Lock()
+# Calls so far per process group: the `step` of stochastic rounding, so repeated calls draw
+# fresh roundings. Ranks issue collectives on a group in the same order, so they agree.
+_CALLS: dict[dist.ProcessGroup, int] = {}
+# (group, compressor config) pairs whose agreement across ranks has been checked.
+_VERIFIED: set[tuple[dist.ProcessGroup, tuple]] = set()
+
+
+def _next_step(pg: dist.ProcessGroup) -> int:
+    with _LOCK:
+        step = _CALLS.get(pg, 0)
+        _CALLS[pg] = step + 1
+        return step
+
+
+def _verify_once(pg: dist.ProcessGroup, compressor: Compressor, numel: int, device) -> None:
+    """At the first lossy call of a configuration on a group, ranks that disagree on the
+    method or the size get a clear error instead of a hang or silent garbage."""
+    key = (pg, compressor.config())
+    if key in _VERIFIED:
+        return
+    collectives.verify_config(compressor.config(), numel, pg, device)
+    _VERIFIED.add(key)
+
+
+# --------------------------------------------------------------------------------------
+# Reducing one flat, contiguous buffer
+# --------------------------------------------------------------------------------------
+
+
+def _issue(flat: torch.Tensor, compressor: Compressor, op, pg, step: int, key: int):
+    """Issues the collective(s) reducing the 1-D contiguous ``flat``.
+
+    Returns what to wait on: a Work for lossless SUM and other ReduceOps (``flat`` is
+    reduced in place), a Future otherwise (lossless mean: of ``flat``, in place; lossy: of
+    the mean, written into ``flat`` or, for casts, a new tensor).
+    """
+    if not compressor.lossy:
+        if op == "mean":
+            # The same lossless path as ddpcomm.allreduce_hook: scale by 1/N, then sum.
+            return collectives.plain_all_reduce(flat, ReduceContext(group=pg))
+        rop = ReduceOp.SUM if op == "sum" else op
+        return dist.all_reduce(flat, op=rop, group=pg, async_op=True)
+    return collectives.all_reduce_mean(
+        flat, compressor, ReduceContext(group=pg, key=key, step=step)
+    )
+
+
+def _reduced(flat: torch.Tensor, compressor: Compressor, op, pg, value) -> torch.Tensor:
+    """The reduced values of ``flat`` once its work is done; ``value`` is what it gave."""
+    if not compressor.lossy:
+        return flat
+    return value.mul_(dist.get_world_size(pg)) if op == "sum" else value
+
+
+def _run(jobs, compressor: Compressor, op, pg, step: int, tensors, async_op: bool):
+    """Issues every job's collective in job order (the same on every rank), then writes
+    each result back with its job's ``write(reduced)``: on this thread once all are issued
+    (sync), or in the completion callbacks (async_op)."""
+    issued = [
+        (flat, write, _issue(flat, compressor, op, pg, step, key))
+        for key, (flat, write) in enumerate(jobs)
+    ]
+    if not async_op:
+        # Waiting here rather than in callbacks keeps the write-back on the caller's
+        # thread and its intra-op thread settings, and saves a Future per job.
+        for flat, write, pending in issued:
+            write(_reduced(flat, compressor, op, pg, pending.wait()))
+        return None
+
+    def finisher(flat, write):
+        return lambda f: write(_reduced(flat, compressor, op, pg, f.value()))
+
+    futures = [
+        (p.get_future() if isinstance(p, dist.Work) else p).then(finisher(flat, write))
+        for flat, write, p in issued
+    ]
+
+    def result(all_done: Future) -> list[torch.Tensor]:
+        for f in all_done.value():
+            f.value()  # re-raises that job's failure
+        return tensors
+
+    return AllReduceHandle(torch.futures.collect_all(futures).then(result))
+
+
+def _memory_order_view(t: torch.Tensor) -> torch.Tensor | None:
+    """A 1-D view of ``t``'s elements in memory order if they fill one gap-free run.
+
+    That is the order dist.all_reduce reduces a dense (possibly permuted) tensor in, and
+    it needs no copy; tensors with gaps, overlaps or conjugate/negative bits get None.
+    """
+    if t.is_conj() or t.is_neg():
+        return None
+    if t.is_contiguous():
+        return t.view(-1)
+    expected = 1
+    for stride, size in sorted(
+        (st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz != 1
+    ):
+        if stride != expected:
+            return None
+        expected *= size
+    return t.as_strided((t.numel(),), (1,))
+
+
+def _completed(tensors: list[torch.Tensor]) -> AllReduceHandle:
+    fut: Future = Future()
+    fut.set_result(tensors)
+    return AllReduceHandle(fut)
+
+
+# --------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    compression: str | Compressor = "none",
+    op: str | ReduceOp = "mean",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> AllReduceHandle | None:
+    """Reduces ``tensor`` over the ranks of ``group``, in place, optionally compressed.
+
+    Args:
+        tensor: any dense tensor; lossy methods take float32/float16/bfloat16 only.
+            A permuted (transposed) tensor is reduced in memory order, as dist.all_reduce
+            does; one with gaps (a strided slice) through a flat copy, written back.
+        compression: a spec string (``"none"``, ``"fp16"``, ``"bf16"``, ``"q8"`` ...
+            ``"q1"``) or a compressor object from ``ddpcomm.compressors``.
+        op: ``"mean"`` (default), ``"sum"``, or a ``torch.distributed.ReduceOp``; ops other
+            than SUM/AVG only with ``compression="none"``.
+        group: the process group; None for the default group.
+        async_op: return an :class:`AllReduceHandle` instead of waiting.
+
+    Returns:
+        None, or the handle when ``async_op`` (its future's value is ``[tensor]``).
+
+    Example (on every rank, after ``torch.distributed.init_process_group``)::
+
+        >>> import torch, torch.distributed as dist, ddpcomm
+        >>> t = torch.full((4,), 2.0 * (dist.get_rank() + 1))
+        >>> ddpcomm.all_reduce(t, op="sum")             # lossless: exactly dist.all_reduce
+        >>> bool((t == dist.get_world_size() * (dist.get_world_size() + 1)).all())
+        True
+        >>> g = torch.ones(1000)
+        >>> handle = ddpcomm.all_reduce(g, compression="q8", async_op=True)
+        >>> handle.wait()                              # g now holds the 8-bit mean
+        True
+        >>> handle.get_future().value()[0] is g
+        True
+    """
+    compressor = _parse_compression(compression)
+    rop = _parse_op(op, compressor.lossy)
+    pg = _check_group(group)
+    _check_tensor(tensor, "tensor", compressor, rop)
+    if not isinstance(async_op, bool):
+        raise TypeError(f"async_op must be a bool, got {async_op!r}")
+
+    # Reducing values is not differentiable (dist.all_reduce ignores autograd too); a
+    # detached alias lets a parameter that requires grad be reduced in place.
+    target = tensor.detach() if tensor.requires_grad else tensor
+    view = _memory_order_view(target)
+    if not compressor.lossy and rop != "mean" and view is not None:
+        # Exactly dist.all_reduce: no copy, no callback.
+        work = dist.all_reduce(
+            tensor, op=ReduceOp.SUM if rop == "sum" else rop, group=pg, async_op=async_op
+        )
+        if not async_op:
+            return None
+        return AllReduceHandle(work.get_future().then(lambda _: [tensor]))
+    if compressor.lossy and tensor.numel() == 0:
+        return _completed([tensor]) if async_op else None
+
+    flat = view if view is not None else ops.flatten([target])
+    if compressor.lossy:
+        _verify_once(pg, compressor, flat.numel(), flat.device)
+
+    def write(out: torch.Tensor) -> None:
+        if view is None:
+            ops.unflatten_into(out, [target])
+        elif out.data_ptr() != view.data_ptr():
+            view.copy_(out)
+
+    return _run([(flat, write)], compressor, rop, pg, _next_step(pg), [tensor], async_op)
+
+
+def all_reduce_coalesced(
+    tensors: Sequence[torch.Tensor],
+    compression: str | Compressor = "none",
+    op: str | ReduceOp = "mean",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> AllReduceHandle | None:
+    """Reduces every tensor of a list in place with one collective per dtype.
+
+    Tensors are grouped by dtype (in order of first appearance, so every rank issues the
+    groups in the same order), each group is flattened into one buffer by the fused native
+    op, reduced with one collective (or one compressed all-reduce), and written back in
+    place. The values are those of :func:`all_reduce` on the group's flat buffer: for
+    ``"none"`` what torch's own coalesced path (flatten, one all_reduce) gives; with one
+    or two ranks, or integers, bitwise what reducing each tensor separately gives. (With
+    three ranks or more, gloo and NCCL sum an element's contributions in an order set by
+    its position in the buffer, so float results differ from per-tensor reductions by
+    rounding.) All tensors must be on one device; empty groups issue nothing. Entries
+    must not share memory: that is found when writing back, so the call raises ValueError
+    after its collective (on every rank alike) with no entry written.
+
+    Args:
+        tensors: a list or tuple of dense tensors on one device (any shapes, strides and
+            dtypes; lossy methods take float32/float16/bfloat16 only).
+        compression, op, group, async_op: as in :func:`all_reduce`.
+
+    Returns:
+        None, or with ``async_op`` an :class:`AllReduceHandle` whose future's value is the
+        list of the (reduced) input tensors.
+
+    Example (on every rank, after ``torch.distributed.init_process_group``)::
+
+        >>> import torch, torch.distributed as dist, ddpcomm
+        >>> grads = [torch.ones(3, 3), torch.ones(5, dtype=torch.float16), torch.ones(0)]
+        >>> ddpcomm.all_reduce_coalesced(grads, compression="fp16")   # 2 collectives
+        >>> [round(g.sum().item()) for g in grads]                    # the mean of ones
+        [9, 5, 0]
+    """
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"tensors must be a list or tuple of tensors, got {type(tensors).__name__}")
+    compressor = _parse_compression(compression)
+    rop = _parse_op(op, compressor.lossy)
+    pg = _check_group(group)
+    if not isinstance(async_op, bool):
+        raise TypeError(f"async_op must be a bool, got {async_op!r}")
+    tensors = list(tensors)
+    groups = _group_by_dtype(tensors, compressor, rop)
+    # A group of empty tensors has nothing to reduce; every rank skips it alike.
+    groups = [ts for ts in groups.values() if any(t.numel() for t in ts)]
+    if not groups:
+        return _completed(tensors) if async_op else None
+
+    flats = [ops.flatten(ts) for ts in groups]
+    if compressor.lossy:
+        _verify_once(pg, compressor, flats[0].numel(), flats[0].device)
+    jobs = [
+        (flat, lambda out, ts=ts: ops.unflatten_into(out, ts))
+        for flat, ts in zip(flats, groups, strict=True)
+    ]
+    return _run(jobs, compressor, rop, pg, _next_step(pg), tensors, async_op)
