@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -159,9 +160,13 @@ def run_group(
         try:
             outcome = _watch(procs, logs, events_path, cases, case_timeout)
         finally:
+            # Each rank leads its own session, so this also ends anything it started.
             for p in procs:
                 if p.poll() is None:
-                    os.killpg(p.pid, 9)
+                    try:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    except ProcessLookupError:  # exited between poll() and kill
+                        pass
             for p in procs:
                 p.wait()
     return outcome
