@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <climits>
 #include <optional>
 
 #include "numerics.h"
@@ -73,6 +74,49 @@ inline void check_payloads(const at::Tensor& payloads, int64_t dims, int64_t num
               ", block_size=", block_size, " needs ", need, " bytes, got ", have);
   TORCH_CHECK(is_supported_float(dtype), op, ": dtype must be float32, float16 or bfloat16, got ",
               dtype);
+}
+
+// ---------------------------------------------------------------------------------------
+// Sparsification
+// ---------------------------------------------------------------------------------------
+
+// Top-k indices travel as int32, so a bucket may hold at most 2^31 - 1 elements.
+inline void check_sparse_numel_k(int64_t numel, int64_t k, const char* op) {
+  TORCH_CHECK(numel >= 1 && numel <= INT32_MAX, op, ": numel must be in [1, 2^31 - 1], got ",
+              numel);
+  TORCH_CHECK(k >= 1 && k <= numel, op, ": k must be in [1, numel=", numel, "], got ", k);
+}
+
+inline void check_sparse_input(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                               int64_t k, const char* op) {
+  check_float_tensor(x, "x", op);
+  check_sparse_numel_k(x.numel(), k, op);
+  check_residual(residual, x.numel(), x.device(), op);
+}
+
+inline void check_value_dtype(at::ScalarType t, const char* op) {
+  TORCH_CHECK(is_supported_float(t), op, ": value_dtype must be float32, float16 or bfloat16, got ",
+              t);
+}
+
+inline void check_divisor_dtype(int64_t divisor, at::ScalarType dtype, const char* op) {
+  TORCH_CHECK(divisor >= 1, op, ": divisor must be >= 1, got ", divisor);
+  TORCH_CHECK(is_supported_float(dtype), op, ": dtype must be float32, float16 or bfloat16, got ",
+              dtype);
+}
+
+// `payloads` is [N, k * (4 + value bytes)] uint8: N packed top-k payloads, one per rank.
+inline void check_sparse_payloads(const at::Tensor& payloads, int64_t numel, int64_t k,
+                                  at::ScalarType value_dtype, const char* op) {
+  check_sparse_numel_k(numel, k, op);
+  check_value_dtype(value_dtype, op);
+  TORCH_CHECK(payloads.scalar_type() == at::kByte, op, ": payloads must be uint8, got ",
+              payloads.scalar_type());
+  TORCH_CHECK(payloads.dim() == 2, op, ": payloads must be [N, bytes] (2 dimensions), got ",
+              payloads.dim(), " dimension(s)");
+  const int64_t need = topk_payload_bytes(k, at::elementSize(value_dtype));
+  TORCH_CHECK(payloads.size(1) == need, op, ": a payload of k=", k, " entries with value_dtype ",
+              value_dtype, " is ", need, " bytes, but payloads rows are ", payloads.size(1));
 }
 
 }  // namespace ddpcomm

@@ -37,6 +37,32 @@ TORCH_LIBRARY(ddpcomm, m) {
   m.def("flatten(Tensor[] tensors) -> Tensor");
   m.def("flatten_into(Tensor[] tensors, Tensor(a!) out) -> ()");
   m.def("unflatten_into(Tensor flat, Tensor(a!)[] tensors) -> ()");
+
+  // Sparsification family (top-k, random-k). Payload layout and selection order:
+  // csrc/numerics.h, "Sparsification".
+  m.def(
+      "topk_compress(Tensor x, Tensor(a!)? residual, int k, bool approximate=False, int seed=0, "
+      "int step=0, ScalarType? value_dtype=None) -> Tensor");
+  m.def(
+      "sparse_accumulate(Tensor payloads, int numel, int k, int divisor, ScalarType value_dtype, "
+      "ScalarType dtype) -> Tensor");
+  m.def(
+      "randk_compress(Tensor x, Tensor(a!)? residual, int k, int seed, int step, int bucket) "
+      "-> Tensor");
+  m.def(
+      "randk_decompress(Tensor values, int numel, int seed, int step, int bucket, int divisor, "
+      "ScalarType dtype) -> Tensor");
+  // Out-variants: numel and dtype come from `out` (for a 16-bit out, the fp32 sum goes
+  // through `scratch`).
+  m.def(
+      "topk_compress_into(Tensor x, Tensor(a!)? residual, Tensor(b!) out, int k, "
+      "bool approximate=False, int seed=0, int step=0, ScalarType? value_dtype=None) -> ()");
+  m.def(
+      "sparse_accumulate_into(Tensor payloads, Tensor(a!) out, Tensor(b!)? scratch, int k, "
+      "int divisor, ScalarType value_dtype) -> ()");
+  m.def(
+      "randk_decompress_into(Tensor values, Tensor(a!) out, int seed, int step, int bucket, "
+      "int divisor) -> ()");
 }
 
 namespace {

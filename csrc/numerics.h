@@ -10,6 +10,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #if defined(__CUDACC__)
 #define DDPC_HD __host__ __device__ __forceinline__
@@ -160,6 +161,90 @@ DDPC_HD uint32_t read_code(const uint8_t* codes, int64_t j, int bits) {
   const int64_t bit = j * bits;
   const uint32_t mask = (1u << bits) - 1u;
   return ((uint32_t)codes[bit >> 3] >> (bit & 7)) & mask;
+}
+
+// ---------------------------------------------------------------------------------------
+// Sparsification (top-k, random-k).
+//
+// Packed top-k payload for k selected entries, value dtype V (float32 by default):
+//   [ k int32 indices, strictly ascending ][ k values as V, in the same order ]
+// Total k * (4 + sizeof(V)) bytes; the values start at byte 4k, so they stay aligned.
+//
+// Selection order: entry i ranks above entry j when magnitude_key(e_i) > magnitude_key(e_j),
+// or the keys are equal and i < j. magnitude_key is |e|'s float bit pattern, which orders
+// like |e| for finite values and ranks +-Inf above every finite value and NaN above Inf,
+// so a bucket holding a non-finite value always sends one (every rank then sees it).
+// ---------------------------------------------------------------------------------------
+
+DDPC_HD uint32_t float_bits(float v) {
+  uint32_t u;
+  memcpy(&u, &v, sizeof(u));
+  return u;
+}
+
+DDPC_HD float bits_float(uint32_t u) {
+  float v;
+  memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+DDPC_HD uint32_t magnitude_key(float v) { return float_bits(v) & 0x7FFFFFFFu; }
+
+DDPC_HD bool topk_ranks_before(uint32_t key_a, int64_t a, uint32_t key_b, int64_t b) {
+  return key_a > key_b || (key_a == key_b && a < b);
+}
+
+DDPC_HD int64_t topk_payload_bytes(int64_t k, int64_t value_bytes) { return k * (4 + value_bytes); }
+
+// Threshold sample: S = min(n, 16384) magnitudes of e drawn with replacement at
+// topk_sample_index(rng_key(seed, step), j, n), j < S. 53 random bits modulo n: the bias is
+// below n / 2^53, and the shift keeps the value a non-negative int64 for the reference.
+constexpr int64_t kTopkSampleMax = 16384;
+
+DDPC_HD int64_t topk_sample_count(int64_t n) { return n < kTopkSampleMax ? n : kTopkSampleMax; }
+
+DDPC_HD int64_t topk_sample_index(uint64_t key, int64_t j, int64_t n) {
+  return (int64_t)((rng_u64_keyed(key, (uint64_t)j) >> 11) % (uint64_t)n);
+}
+
+// Integer square root (floor), for the sample margins below.
+DDPC_HD int64_t isqrt64(int64_t m) {
+  int64_t root = 0;
+  while ((root + 1) * (root + 1) <= m) ++root;
+  return root;
+}
+
+// Rank (0-based, in the sample sorted by descending key) whose key is the approximate
+// threshold: the sample's share of k, m = k*S/n, plus one standard deviation of that
+// binomial count, so about 84% of draws keep at least k candidates (and give the exact
+// top k) while the rest fill up only a few percent of k. A rank >= S means "threshold 0":
+// every entry is a candidate. Approximate mode's output depends on it: integer math.
+DDPC_HD int64_t topk_approx_rank(int64_t k, int64_t n, int64_t samples) {
+  const int64_t m = k * samples / n;
+  return m + isqrt64(m);
+}
+
+// Exact mode's output does not depend on its threshold (a miss costs one more pass), so
+// this rank only trades candidates kept against the chance of a miss: the expected count
+// m plus about 4 standard deviations of a binomial count, plus slack for tiny m.
+DDPC_HD int64_t topk_exact_rank(int64_t k, int64_t n, int64_t samples) {
+  const int64_t m = k * samples / n;
+  return m + 4 * (isqrt64(m) + 1) + 8;
+}
+
+// Random-k: k distinct indices in ascending order by stratified sampling. Stratum j is
+// [j*n/k, (j+1)*n/k) (integer division) and holds exactly one index, drawn uniformly with
+// 32 random bits: lo + floor(u32 * size / 2^32). Strata are disjoint and non-empty for
+// k <= n, so indices are distinct and sorted by construction, each index is chosen with
+// probability 1/size (~k/n), and every j is independent (one GPU thread each).
+DDPC_HD uint64_t randk_key(uint64_t seed, uint64_t step, uint64_t bucket) {
+  return mix64(rng_key(seed, step) ^ (bucket + 0xD6E8FEB86659FD93ull));
+}
+
+DDPC_HD int64_t randk_index(uint64_t key, int64_t j, int64_t n, int64_t k) {
+  const int64_t lo = j * n / k, hi = (j + 1) * n / k;
+  const uint64_t u32 = rng_u64_keyed(key, (uint64_t)j) >> 32;
+  return lo + (int64_t)((u32 * (uint64_t)(hi - lo)) >> 32);
 }
 
 }  // namespace ddpcomm

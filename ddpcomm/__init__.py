@@ -30,3 +30,8 @@ __all__ = [
 from ddpcomm.wrappers import AllReduceHandle, all_reduce, all_reduce_coalesced  # noqa: E402
 
 __all__ += ["AllReduceHandle", "all_reduce", "all_reduce_coalesced"]
+
+# Sparsification (top-k, random-k)
+from ddpcomm.hooks import RandomKState, TopKState, randomk_hook, topk_hook  # noqa: E402
+
+__all__ += ["RandomKState", "TopKState", "randomk_hook", "topk_hook"]

@@ -30,6 +30,8 @@ from ddpcomm.compressors import (
     Compressor,
     NoCompression,
     Quantizer,
+    RandomK,
+    TopK,
     dense_bytes,
 )
 
@@ -487,3 +489,127 @@ def _quantized(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -> Future:
 register_algorithm(NoCompression, _plain)
 register_algorithm(CastCompression, _cast)
 register_algorithm(Quantizer, _quantized)
+
+
+# --------------------------------------------------------------------------------------
+# Sparsification: top-k and random-k
+#
+# Both take one collective per bucket: every rank's top-k payload has the same size (exactly
+# k entries), and random-k indices agree across ranks by construction. So the collective
+# order is the bucket order in which the hook is called, and no sequencer is needed.
+# --------------------------------------------------------------------------------------
+
+
+def _bucket_int(key) -> int:
+    """An int64 naming the bucket, for the kernels' RNG keys."""
+    return key if isinstance(key, int) else _fingerprint(("key", key))
+
+
+def _sparse_values_finite(rows: torch.Tensor, k: int, value_dtype: torch.dtype) -> bool:
+    values = rows[:, 4 * k :].contiguous().view(value_dtype)
+    return bool(torch.isfinite(values).all())
+
+
+def _fp32_scratch(ctx: ReduceContext, flat: torch.Tensor) -> torch.Tensor | None:
+    """A reused fp32 buffer of flat's size for sums of a 16-bit bucket (None for fp32:
+    the sum is formed in ``flat`` itself)."""
+    if flat.dtype == torch.float32:
+        return None
+    return ctx.buffer("fp32_sum", 4 * flat.numel(), flat.device).view(torch.float32)
+
+
+def _empty(flat: torch.Tensor, ctx: ReduceContext) -> Future:
+    """Nothing to select from: no collective (every rank has the same numel), mean of none."""
+    ctx.stats.record("empty", 0, 0)
+    fut: Future = Future()
+    fut.set_result(flat)
+    return fut
+
+
+def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
+    pg, n = ctx.pg, flat.numel()
+    if n == 0:
+        return _empty(flat, ctx)
+    world = dist.get_world_size(pg)
+    k, vdtype = c.k(n), c.value_dtype
+    dense_eq = dense_bytes(n, world, flat.element_size())
+    residual = ctx.residual("topk", n, flat.device) if c.error_feedback else None
+    packed = ctx.buffer("send", c.payload_bytes(n), flat.device)
+    with _Timer(ctx.stats):
+        # The sample seed only matters in approximate mode; per bucket so buckets differ.
+        ops.topk_compress(
+            flat, residual, k, c.approximate, _stream_seed(0, ctx.key), ctx.step, vdtype, out=packed
+        )
+    scratch = _fp32_scratch(ctx, flat)
+
+    if c.use_dense(n, world):
+        # Dense switch: this rank's sparsified tensor in fp32, summed by all_reduce. The same
+        # numbers as the sparse path up to the order gloo/NCCL add the N terms in.
+        total = flat if scratch is None else scratch
+        with _Timer(ctx.stats):
+            ops.sparse_accumulate(packed.view(1, -1), n, k, 1, vdtype, torch.float32, out=total)
+        ctx.stats.record("topk_dense", dense_bytes(n, world, 4), dense_eq)
+        work = dist.all_reduce(total, group=pg, async_op=True)
+
+        def decode_dense(fut):
+            fut.wait()
+            with _Timer(ctx.stats):
+                # Every rank holds the same sum, so all agree on resetting.
+                finite = bool(torch.isfinite(total).all())
+                total.div_(world)
+                if scratch is not None:
+                    flat.copy_(total)
+                if residual is not None and not finite:
+                    ctx.memory.reset(ctx.key)
+            return flat
+
+        return work.get_future().then(decode_dense)
+
+    size = packed.numel()
+    gathered = ctx.buffer("gather", world * size, flat.device)
+    ctx.stats.record("topk_all_gather", (world - 1) * size, dense_eq)
+    work = _all_gather_single(gathered, packed, group=pg, async_op=True)
+
+    def decode(fut):
+        fut.wait()
+        with _Timer(ctx.stats):
+            rows = gathered.view(world, size)
+            ops.sparse_accumulate(rows, n, k, world, vdtype, flat.dtype, out=flat, scratch=scratch)
+            # NaN/Inf rank above every finite magnitude, so a non-finite bucket always sends
+            # one: every rank sees it in the gathered rows and resets the same residual.
+            if residual is not None and not _sparse_values_finite(rows, k, vdtype):
+                ctx.memory.reset(ctx.key)
+        return flat
+
+    return work.get_future().then(decode)
+
+
+def _randk(flat: torch.Tensor, c: RandomK, ctx: ReduceContext) -> Future:
+    pg, n = ctx.pg, flat.numel()
+    if n == 0:
+        return _empty(flat, ctx)
+    world = dist.get_world_size(pg)
+    k, bucket = c.k(n), _bucket_int(ctx.key)
+    residual = ctx.residual("randk", n, flat.device) if c.error_feedback else None
+    with _Timer(ctx.stats):
+        values = ops.randk_compress(flat, residual, k, c.seed, ctx.step, bucket)
+    # fp32 values on the wire keep the accumulation in fp32 whatever the bucket dtype.
+    ctx.stats.record(
+        "randk_all_reduce", dense_bytes(k, world, 4), dense_bytes(n, world, flat.element_size())
+    )
+    work = dist.all_reduce(values, group=pg, async_op=True)
+
+    def decode(fut):
+        with _Timer(ctx.stats):
+            total = fut.value()[0]
+            ops.randk_decompress(total, n, c.seed, ctx.step, bucket, world, flat.dtype, out=flat)
+            # A non-finite entry anywhere makes its rank send NaN values (randk_compress).
+            if residual is not None and not bool(torch.isfinite(total).all()):
+                ctx.memory.reset(ctx.key)
+        return flat
+
+    return work.get_future().then(decode)
+
+
+register_algorithm(TopK, _topk)
+register_algorithm(RandomK, _randk)

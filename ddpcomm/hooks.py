@@ -18,7 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ddpcomm import collectives
 from ddpcomm.collectives import ReduceContext, ResidualMemory, Stats, Workspace
-from ddpcomm.compressors import Compressor, Quantizer, check_float_tensor
+from ddpcomm.compressors import Compressor, Quantizer, RandomK, TopK, check_float_tensor
 from ddpcomm.layout import LayoutTracker, Reformer
 
 
@@ -281,3 +281,105 @@ def allreduce_hook(
     if state is not None and not isinstance(state, dist.ProcessGroup):
         raise TypeError(f"allreduce_hook takes a ProcessGroup or None, got {type(state).__name__}")
     return collectives.plain_all_reduce(bucket.buffer(), ReduceContext(group=state))
+
+
+# --------------------------------------------------------------------------------------
+# Sparsification hooks: top-k and random-k
+# --------------------------------------------------------------------------------------
+
+
+class TopKState(CompressionState):
+    """State of ``topk_hook``: each rank sends its k = ceil(ratio * n) largest entries.
+
+    Args:
+        ratio: density in (0, 1] (default 0.01).
+        approximate: threshold from a sample, one pass guaranteed (see compressors.TopK).
+        error_feedback: carry the entries not sent into the next step (default True).
+        value_dtype: wire dtype of the values; None means float32.
+        start_iter, min_numel, process_group: see ``CompressionState``.
+
+    ``stats()["paths"]`` counts ``topk_all_gather`` (sparse payloads) and ``topk_dense``
+    (buckets where N * k * (4 + value bytes) would exceed a dense all_reduce).
+
+    Example::
+
+        state = ddpcomm.TopKState(ratio=0.01)
+        ddp.register_comm_hook(state, ddpcomm.topk_hook)
+    """
+
+    __slots__ = ()
+
+    def __init__(
+        self,
+        ratio: float = 0.01,
+        approximate: bool = False,
+        error_feedback: bool = True,
+        value_dtype: torch.dtype | None = None,
+        start_iter: int = 0,
+        min_numel: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(
+            TopK(ratio, approximate, error_feedback, value_dtype),
+            start_iter,
+            min_numel,
+            process_group,
+        )
+
+
+class RandomKState(CompressionState):
+    """State of ``randomk_hook``: every rank sends its entries at the same k random indices.
+
+    Args:
+        ratio: density in (0, 1] (default 0.01).
+        seed: seed of the index stream; indices depend on (seed, iteration, bucket index),
+            so ranks agree without sending them.
+        error_feedback: carry the entries not sent into the next step (default True).
+        start_iter, min_numel, process_group: see ``CompressionState``.
+
+    Example::
+
+        ddp.register_comm_hook(ddpcomm.RandomKState(ratio=0.05), ddpcomm.randomk_hook)
+    """
+
+    __slots__ = ()
+
+    def __init__(
+        self,
+        ratio: float = 0.01,
+        seed: int = 0,
+        error_feedback: bool = True,
+        start_iter: int = 0,
+        min_numel: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(RandomK(ratio, seed, error_feedback), start_iter, min_numel, process_group)
+
+
+def topk_hook(
+    state: TopKState | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP hook: all-gathers each rank's top-k (index, value) pairs and sums them.
+
+    ``state=None`` uses ``TopKState()`` (1% density, exact, error feedback), one per model.
+    """
+    if state is None:
+        state = default_state(bucket, TopKState)
+    elif not isinstance(state, TopKState):
+        raise TypeError(f"topk_hook needs a TopKState or None, got {type(state).__name__}")
+    return run_compressed_hook(state, bucket)
+
+
+def randomk_hook(
+    state: RandomKState | None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP hook: all-reduces the bucket's entries at k shared random indices.
+
+    ``state=None`` uses ``RandomKState()`` (1% density, seed 0, error feedback), one per
+    model.
+    """
+    if state is None:
+        state = default_state(bucket, RandomKState)
+    elif not isinstance(state, RandomKState):
+        raise TypeError(f"randomk_hook needs a RandomKState or None, got {type(state).__name__}")
+    return run_compressed_hook(state, bucket)

@@ -289,3 +289,134 @@ def _(tensors, out):
 def _(flat, tensors):
     _check_flatten_list(tensors, flat.dtype, flat.device, "flat", "unflatten_into")
     _check_flat_buffer(flat, sum(t.numel() for t in tensors), "flat", "unflatten_into")
+
+
+# Sparsification family (top-k, random-k)
+# --------------------------------------------------------------------------------------
+
+
+def topk_payload_bytes(k: int, value_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of a packed top-k payload: k int32 indices, then k values in ``value_dtype``."""
+    return k * (4 + torch.empty((), dtype=value_dtype).element_size())
+
+
+def topk_compress(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    k: int,
+    approximate: bool = False,
+    seed: int = 0,
+    step: int = 0,
+    value_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Selects ``k`` entries of e = x (+ ``residual``) by magnitude and packs them.
+
+    Returns one uint8 buffer: k int32 indices in ascending order, then their values in
+    ``value_dtype`` (float32 when None). With a residual (error feedback), the residual
+    becomes e at every unselected entry and what the value cast lost at the selected ones
+    (0 for float32 values). Exact mode (default) picks the k largest |e|, ties to the lower
+    index; approximate mode derives its threshold from a sample keyed by (seed, step).
+    NaN and Inf rank above every finite magnitude. See reference.topk_compress. With
+    ``out`` (uint8, exactly ``topk_payload_bytes(k, value_dtype)`` long) the payload is
+    written there and ``out`` returned.
+
+    >>> p = topk_compress(torch.tensor([0.5, -3.0, 1.0, 2.0]), None, 2)
+    >>> p[:8].view(torch.int32).tolist(), p[8:].view(torch.float32).tolist()
+    ([1, 3], [-3.0, 2.0])
+    """
+    if out is None:
+        return _ops.topk_compress(x, residual, k, approximate, seed, step, value_dtype)
+    _ops.topk_compress_into(x, residual, out, k, approximate, seed, step, value_dtype)
+    return out
+
+
+def sparse_accumulate(
+    payloads: torch.Tensor,
+    numel: int,
+    k: int,
+    divisor: int,
+    value_dtype: torch.dtype,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense sum of N packed top-k payloads ([N, bytes] uint8) divided by ``divisor``.
+
+    Rows are added in row (rank) order into an fp32 buffer of ``numel`` zeros, so an index
+    present in several rows sums in rank order; the result is cast to ``dtype``. With
+    ``out`` the result is written there (no allocation); a float16/bfloat16 ``out`` also
+    needs ``scratch``, a float32 tensor of ``numel`` elements for the sum.
+    """
+    if out is None:
+        return _ops.sparse_accumulate(payloads, numel, k, divisor, value_dtype, dtype)
+    _check_out(out, numel, dtype, "sparse_accumulate")
+    _ops.sparse_accumulate_into(payloads, out, scratch, k, divisor, value_dtype)
+    return out
+
+
+def randk_compress(
+    x: torch.Tensor, residual: torch.Tensor | None, k: int, seed: int, step: int, bucket: int
+) -> torch.Tensor:
+    """The fp32 values of e = x (+ ``residual``) at k random-k indices (reference.randk_indices).
+
+    The indices depend only on (numel, k, seed, step, bucket), so every rank draws the same
+    ones and the values can be all-reduced directly. With a residual it becomes e, and 0 at
+    the sent entries.
+    """
+    return _ops.randk_compress(x, residual, k, seed, step, bucket)
+
+
+def randk_decompress(
+    values: torch.Tensor,
+    numel: int,
+    seed: int,
+    step: int,
+    bucket: int,
+    divisor: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense ``numel`` tensor holding ``values / divisor`` at the random-k indices, else 0
+    (written into ``out`` when given)."""
+    if out is None:
+        return _ops.randk_decompress(values, numel, seed, step, bucket, divisor, dtype)
+    _check_out(out, numel, dtype, "randk_decompress")
+    _ops.randk_decompress_into(values, out, seed, step, bucket, divisor)
+    return out
+
+
+@torch.library.register_fake("ddpcomm::topk_compress")
+def _(x, residual, k, approximate=False, seed=0, step=0, value_dtype=None):
+    vbytes = topk_payload_bytes(1, value_dtype or torch.float32) - 4
+    return x.new_empty(k * (4 + vbytes), dtype=torch.uint8)
+
+
+@torch.library.register_fake("ddpcomm::sparse_accumulate")
+def _(payloads, numel, k, divisor, value_dtype, dtype):
+    return payloads.new_empty(numel, dtype=dtype)
+
+
+@torch.library.register_fake("ddpcomm::randk_compress")
+def _(x, residual, k, seed, step, bucket):
+    return x.new_empty(k, dtype=torch.float32)
+
+
+@torch.library.register_fake("ddpcomm::randk_decompress")
+def _(values, numel, seed, step, bucket, divisor, dtype):
+    return values.new_empty(numel, dtype=dtype)
+
+
+@torch.library.register_fake("ddpcomm::sparse_accumulate_into")
+def _(payloads, out, scratch, k, divisor, value_dtype):
+    return None
+
+
+@torch.library.register_fake("ddpcomm::randk_decompress_into")
+def _(values, out, seed, step, bucket, divisor):
+    return None
+
+
+@torch.library.register_fake("ddpcomm::topk_compress_into")
+def _(x, residual, out, k, approximate=False, seed=0, step=0, value_dtype=None):
+    return None

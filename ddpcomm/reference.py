@@ -276,3 +276,159 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     pieces = torch._utils._unflatten_dense_tensors(flat, list(tensors))
     for t, piece in zip(tensors, pieces, strict=True):
         t.copy_(piece)
+
+
+# Sparsification (numerics.h "Sparsification")
+#
+# Top-k payload: k int32 indices in ascending order, then the k values in value_dtype.
+# Magnitude key: |e|'s float32 bit pattern (bits & 0x7fffffff) as an integer. It orders like
+# |e| on finite values and puts Inf above them and NaN above Inf. Entry i ranks above j
+# when its key is larger, or the keys tie and i < j.
+# --------------------------------------------------------------------------------------
+
+TOPK_SAMPLE_MAX = 16384
+
+
+def magnitude_key(e: torch.Tensor) -> torch.Tensor:
+    """int64 magnitude keys of a float32 tensor."""
+    return (e.contiguous().view(torch.int32).to(torch.int64)) & 0x7FFFFFFF
+
+
+def _topk_exact_indices(keys: torch.Tensor, k: int) -> torch.Tensor:
+    # A stable descending sort keeps equal keys in index order: ties go to the lower index.
+    order = torch.sort(keys, descending=True, stable=True).indices
+    return order[:k].sort().values
+
+
+def topk_sample_indices(n: int, seed: int, step: int) -> torch.Tensor:
+    """The S = min(n, 16384) sampled positions: 53 random bits of draw j, modulo n."""
+    j = torch.arange(min(n, TOPK_SAMPLE_MAX), dtype=torch.int64)
+    return _shr(rng_u64(seed, step, j), 11) % n
+
+
+def topk_approx_threshold(e: torch.Tensor, k: int, seed: int, step: int) -> int:
+    """Approximate mode's key threshold: the sample's r-th largest key (0-based), with
+    m = k*S//n and r = m + isqrt(m), or 0 when r >= S."""
+    n = e.numel()
+    samples = min(n, TOPK_SAMPLE_MAX)
+    m = k * samples // n
+    rank = m + math.isqrt(m)
+    if rank >= samples:
+        return 0
+    keys = magnitude_key(e[topk_sample_indices(n, seed, step)])
+    return int(keys.sort(descending=True).values[rank])
+
+
+def _topk_indices(e: torch.Tensor, k: int, approximate: bool, seed: int, step: int):
+    keys = magnitude_key(e)
+    if not approximate:
+        return _topk_exact_indices(keys, k)
+    candidate = keys >= topk_approx_threshold(e, k, seed, step)
+    count = int(candidate.sum())
+    if count >= k:
+        # Every entry outside the candidates ranks below all of them: this is exact top-k.
+        return _topk_exact_indices(keys, k)
+    # Too few passed: all of them, plus the lowest indices that did not.
+    pads = (~candidate).nonzero().reshape(-1)[: k - count]
+    return torch.cat([candidate.nonzero().reshape(-1), pads]).sort().values
+
+
+def topk_compress(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    k: int,
+    approximate: bool = False,
+    seed: int = 0,
+    step: int = 0,
+    value_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Select k entries of e = x + residual (fp32) and pack them.
+
+    Exact mode: the k best entries in the order above (a function of e alone).
+    Approximate mode: the threshold T = topk_approx_threshold; when at least k entries have
+    key >= T the result is the exact one (they include the exact top k), otherwise it is
+    those entries plus the lowest-index entries below T, k in all.
+    The payload holds the indices ascending, then e at them cast to value_dtype (default
+    float32). With a residual: residual = e, except residual[i] = e[i] - float(value[i]) at
+    the selected entries (0 for float32 values).
+    """
+    vdtype = value_dtype or torch.float32
+    e = x.reshape(-1).float()
+    if residual is not None:
+        e = e + residual.reshape(-1)
+    idx = _topk_indices(e, k, approximate, seed, step)
+    values = e[idx].to(vdtype)
+    if residual is not None:
+        new = e.clone()
+        new[idx] = e[idx] - values.float()
+        residual.copy_(new.view_as(residual))
+    return torch.cat([idx.to(torch.int32).view(torch.uint8), values.view(torch.uint8)])
+
+
+def sparse_accumulate(
+    payloads: torch.Tensor,
+    numel: int,
+    k: int,
+    divisor: int,
+    value_dtype: torch.dtype,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Rows of [N, k*(4+value bytes)] payloads scattered-added in row order into fp32 zeros,
+    divided by ``divisor``, cast to ``dtype``."""
+    s = torch.zeros(numel, dtype=torch.float32)
+    for row in payloads:
+        idx = row[: 4 * k].clone().view(torch.int32).long()
+        val = row[4 * k :].clone().view(value_dtype).float()
+        s[idx] = s[idx] + val
+    return (s / float(divisor)).to(dtype)
+
+
+def randk_key(seed: int, step: int, bucket: int) -> int:
+    return _mix64_int(rng_key(seed, step) ^ ((bucket + 0xD6E8FEB86659FD93) & _MASK64))
+
+
+def randk_indices(numel: int, k: int, seed: int, step: int, bucket: int) -> torch.Tensor:
+    """k distinct ascending indices, one per stratum [j*n//k, (j+1)*n//k), each drawn with
+    32 random bits u as lo + (u * size) >> 32 from the key (seed, step, bucket)."""
+    j = torch.arange(k, dtype=torch.int64)
+    lo, hi = j * numel // k, (j + 1) * numel // k
+    u32 = _shr(_mix64(j ^ _signed(randk_key(seed, step, bucket))), 32)
+    return lo + _shr(u32 * (hi - lo), 32)
+
+
+def randk_compress(
+    x: torch.Tensor, residual: torch.Tensor | None, k: int, seed: int, step: int, bucket: int
+) -> torch.Tensor:
+    """fp32 e = x + residual at randk_indices; the residual becomes e, 0 at those indices.
+
+    If any entry of e is non-finite (sent or not), every value is NaN, so the reduced
+    result is non-finite on every rank.
+    """
+    e = x.reshape(-1).float()
+    if residual is not None:
+        e = e + residual.reshape(-1)
+    idx = randk_indices(e.numel(), k, seed, step, bucket)
+    values = e[idx].clone()
+    if not bool(torch.isfinite(e).all()):
+        values.fill_(float("nan"))
+    if residual is not None:
+        e = e.clone()
+        e[idx] = 0.0
+        residual.copy_(e.view_as(residual))
+    return values
+
+
+def randk_decompress(
+    values: torch.Tensor,
+    numel: int,
+    seed: int,
+    step: int,
+    bucket: int,
+    divisor: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Zeros of ``numel`` with values / divisor (fp32) at randk_indices, cast to dtype."""
+    out = torch.zeros(numel, dtype=torch.float32)
+    idx = randk_indices(numel, values.numel(), seed, step, bucket)
+    out[idx] = values.float() / float(divisor)
+    return out.to(dtype)

@@ -36,11 +36,29 @@ def _time(fn, repeats: int, min_seconds: float = 0.3) -> float:
     return statistics.median(times)
 
 
-def _copy_seconds(nbytes: int, repeats: int) -> float:
+def _copy_fn(nbytes: int):
     """A plain copy touching ``nbytes`` bytes in all (half read, half written)."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
-    return _time(lambda: dst.copy_(src), repeats)
+    return lambda: dst.copy_(src)
+
+
+def _paired(fn, copy, repeats: int) -> tuple[float, float, float]:
+    """Runs ``fn`` and ``copy`` alternately; returns their median seconds and the median
+    of the per-pair ratios copy/fn, which other load on the machine disturbs least."""
+    fn()
+    copy()
+    t_fn, t_copy, ratios = [], [], []
+    for _ in range(max(repeats, 5)):
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        copy()
+        t2 = time.perf_counter()
+        t_fn.append(t1 - t0)
+        t_copy.append(t2 - t1)
+        ratios.append((t2 - t1) / (t1 - t0))
+    return statistics.median(t_fn), statistics.median(t_copy), statistics.median(ratios)
 
 
 def kernel_rows(
@@ -51,19 +69,23 @@ def kernel_rows(
     residual = torch.zeros(n)
     payload = ops.payload_bytes(n, bits, block)
     payloads = torch.stack([ops.quantize(x * (r + 1), None, bits, block) for r in range(world)])
-    rows = []
-
+    # Outputs preallocated, as the hooks keep them: a fresh multi-MB tensor per call costs
+    # more in first-touch page faults than the kernel itself.
+    packed_out = torch.empty(payload, dtype=torch.uint8)
+    values_out = torch.empty(n)
     cases = [
-        # name, fn, reference fn, bytes touched
+        # name, op, reference, bytes touched
         (
             f"q{bits} quantize + EF + pack",
-            lambda: ops.quantize(x, residual, bits, block),
+            lambda: ops.quantize(x, residual, bits, block, out=packed_out),
             lambda: reference.quantize(x, residual.clone(), bits, block),
-            4 * n + 4 * n + 4 * n + payload,
-        ),  # read x, read + write residual, write payload
+            4 * n + 4 * n + 4 * n + payload,  # read x, read + write residual, write payload
+        ),
         (
             f"q{bits} dequantize_sum ({world} payloads)",
-            lambda: ops.dequantize_sum(payloads, n, bits, block, world, torch.float32),
+            lambda: ops.dequantize_sum(
+                payloads, n, bits, block, world, torch.float32, out=values_out
+            ),
             lambda: reference.dequantize_sum(payloads, n, bits, block, world, torch.float32),
             world * payload + 4 * n,
         ),
@@ -76,9 +98,9 @@ def kernel_rows(
             world * payload + 8 * n + payload,
         ),
     ]
+    rows = []
     for name, fn, ref_fn, touched in cases:
-        t = _time(fn, repeats)
-        t_copy = _copy_seconds(touched, repeats)
+        t, t_copy, ratio = _paired(fn, _copy_fn(touched), repeats)
         t_ref = _time(ref_fn, 1, 0.0) if with_reference else float("nan")
         rows.append(
             {
@@ -88,7 +110,7 @@ def kernel_rows(
                 "seconds": t,
                 "gbps": touched / t / 1e9,
                 "copy_gbps": touched / t_copy / 1e9,
-                "pct_of_copy": 100 * t_copy / t,
+                "pct_of_copy": 100 * ratio,
                 "speedup_vs_reference": t_ref / t,
             }
         )
@@ -97,7 +119,8 @@ def kernel_rows(
 
 def torch_hook_comparison(size_mb: int, world: int, repeats: int) -> dict:
     """Compute path of torch's quantization_pertensor_hook (observer, quantize, then
-    dequantize + sum of N payloads) against ddpcomm's q8 (quantize, dequantize_sum)."""
+    dequantize + sum of N payloads) against ddpcomm's q8 hook path (quantize into the
+    bucket's send buffer, dequantize + sum the gathered payloads into the bucket)."""
     n = size_mb * MB // 4
     x = torch.randn(n)
 
@@ -111,17 +134,19 @@ def torch_hook_comparison(size_mb: int, world: int, repeats: int) -> dict:
             acc += tq._dequantize_per_tensor_backend(q, s, z)
         return acc / world
 
-    def ddpcomm_path():
-        p = ops.quantize(x, None, 8, 256)
-        return ops.dequantize_sum(p.expand(world, -1).contiguous(), n, 8, 256, world, torch.float32)
+    gathered = torch.empty(world, ops.payload_bytes(n, 8, 256), dtype=torch.uint8)
+    out = torch.empty(n)
 
-    t_torch = _time(torch_path, repeats)
-    t_ours = _time(ddpcomm_path, repeats)
+    def ddpcomm_path():
+        ops.quantize(x, None, 8, 256, out=gathered[0])
+        return ops.dequantize_sum(gathered, n, 8, 256, world, torch.float32, out=out)
+
+    t_ours, t_torch, speedup = _paired(ddpcomm_path, torch_path, repeats)
     return {
         "size_mb": size_mb,
         "torch_seconds": t_torch,
         "ddpcomm_seconds": t_ours,
-        "speedup": t_torch / t_ours,
+        "speedup": speedup,
     }
 
 
@@ -149,8 +174,9 @@ def run(args) -> int:
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",")]
     print(
-        f"ddpcomm kernels on CPU, {torch.get_num_threads()} threads, "
-        f"block {args.block}; median of >= {args.repeats} runs\n"
+        f"ddpcomm kernels on CPU, {torch.get_num_threads()} threads, block {args.block}; "
+        f"op and copy run alternately {args.repeats} times; % copy is the median of the "
+        "per-pair time ratios\n"
     )
     head = f"{'op':<38} {'MB':>5} {'GB/s':>7} {'copy GB/s':>9} {'% copy':>7} {'x reference':>11}"
     print(head)
@@ -206,7 +232,7 @@ def add_parser(sub) -> None:
     p.add_argument("--sizes", default="4,64,256", help="MB of fp32 input, comma-separated")
     p.add_argument("--block", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=11)
     p.add_argument("--torch-hook-mb", type=int, default=64)
     p.add_argument("--wire-bits", type=int, default=8, choices=(1, 2, 4, 8))
     p.add_argument("--quick", action="store_true", help="one small size, q8 only")

@@ -1,0 +1,113 @@
+// CPU implementations of the random-k ops: randk_compress, randk_decompress(_into).
+// Indices come from csrc/numerics.h (randk_key / randk_index: one index per stratum, so
+// they are distinct, ascending and the same on every rank); ddpcomm/reference.py states
+// the semantics. The strata are contiguous ranges of the bucket, so a parallel task owns a
+// contiguous slice and the error-feedback add fuses with the gather in one pass.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <limits>
+
+#include "../checks.h"
+#include "../numerics.h"
+
+namespace ddpcomm {
+namespace {
+
+// About 64K elements of bucket per parallel task.
+constexpr int64_t kTaskElements = 1 << 16;
+
+// Strata per parallel task.
+int64_t strata_grain(int64_t n, int64_t k) { return std::max<int64_t>(1, k * kTaskElements / n); }
+
+at::Tensor randk_compress_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                              int64_t k, int64_t seed, int64_t step, int64_t bucket) {
+  const char* op = "randk_compress";
+  check_sparse_input(x, residual, k, op);
+  const int64_t n = x.numel();
+  const at::Tensor xc = x.contiguous();
+  float* res = residual ? residual->data_ptr<float>() : nullptr;
+  at::Tensor values = at::empty({k}, x.options().dtype(at::kFloat));
+  float* vp = values.data_ptr<float>();
+  const uint64_t key = randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket);
+  // A non-finite entry is usually not among the k sent, so it is looked for over the whole
+  // bucket (in the same pass as the EF add): the sent values then all become NaN, which
+  // makes the reduced result non-finite on every rank (GradScaler skips the step).
+  std::atomic<bool> all_finite{true};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "randk_compress", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    at::parallel_for(0, k, strata_grain(n, k), [&](int64_t j0, int64_t j1) {
+      bool finite = true;
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t lo = j * n / k, hi = (j + 1) * n / k, i = randk_index(key, j, n, k);
+        if (res == nullptr) {
+          for (int64_t t = lo; t < hi; ++t) finite &= is_finite(static_cast<float>(xp[t]));
+          vp[j] = static_cast<float>(xp[i]);
+          continue;
+        }
+        // Error feedback over the whole stratum: e = x + r, the chosen entry is sent
+        // (r = 0 there), every other entry keeps e for the next step.
+        for (int64_t t = lo; t < hi; ++t) {
+          const float e = static_cast<float>(xp[t]) + res[t];
+          res[t] = e;
+          finite &= is_finite(e);
+        }
+        vp[j] = res[i];
+        res[i] = 0.0f;
+      }
+      if (!finite) all_finite.store(false, std::memory_order_relaxed);
+    });
+  });
+  if (!all_finite.load()) values.fill_(std::numeric_limits<float>::quiet_NaN());
+  return values;
+}
+
+void randk_decompress_into_cpu(const at::Tensor& values, const at::Tensor& out, int64_t seed,
+                               int64_t step, int64_t bucket, int64_t divisor) {
+  const char* op = "randk_decompress";
+  check_float_tensor(values, "values", op);
+  TORCH_CHECK(values.dim() == 1, op, ": values must be 1-D, got ", values.dim(), " dimensions");
+  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
+  const int64_t k = values.numel(), numel = out.numel();
+  check_sparse_numel_k(numel, k, op);
+  check_divisor_dtype(divisor, out.scalar_type(), op);
+  const at::Tensor vf = values.to(at::kFloat).contiguous();
+  const float* vp = vf.data_ptr<float>();
+  const float div = (float)divisor;
+  const uint64_t key = randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket);
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, out.scalar_type(), "randk_decompress", [&] {
+        scalar_t* o = out.data_ptr<scalar_t>();
+        at::parallel_for(0, k, strata_grain(numel, k), [&](int64_t j0, int64_t j1) {
+          for (int64_t j = j0; j < j1; ++j) {
+            const int64_t lo = j * numel / k, hi = (j + 1) * numel / k;
+            std::fill(o + lo, o + hi, static_cast<scalar_t>(0.0f));
+            o[randk_index(key, j, numel, k)] = static_cast<scalar_t>(vp[j] / div);
+          }
+        });
+      });
+}
+
+at::Tensor randk_decompress_cpu(const at::Tensor& values, int64_t numel, int64_t seed, int64_t step,
+                                int64_t bucket, int64_t divisor, at::ScalarType dtype) {
+  check_divisor_dtype(divisor, dtype, "randk_decompress");
+  check_sparse_numel_k(numel, values.numel(), "randk_decompress");
+  at::Tensor out = at::empty({numel}, values.options().dtype(dtype));
+  randk_decompress_into_cpu(values, out, seed, step, bucket, divisor);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ddpcomm, CPU, m) {
+  m.impl("randk_compress", &randk_compress_cpu);
+  m.impl("randk_decompress", &randk_decompress_cpu);
+  m.impl("randk_decompress_into", &randk_decompress_into_cpu);
+}
+
+}  // namespace ddpcomm
