@@ -214,6 +214,7 @@ def test_open_links_without_root_falls_back_loudly(monkeypatch, capsys):
 
 
 _FAKE_WORKER = """
+import os
 import time
 import torch.distributed as dist
 from ddpcomm.bench import _worker
@@ -228,6 +229,8 @@ def run_case(case, common, device):
 
 if __name__ == "__main__":
     _worker.run(run_case)
+    if os.environ.get("FAKE_TEARDOWN_FAIL") and os.environ["RANK"] == "1":
+        os._exit(3)
 """
 
 
@@ -245,3 +248,16 @@ def test_watchdog_turns_failures_into_rows(tmp_path, monkeypatch, kind, reason):
     assert outcome.results == [{"kind": "ok"}]
     assert outcome.failure.case["kind"] == kind
     assert reason in outcome.failure.reason
+
+
+def test_failure_after_the_last_case_is_reported_not_pinned_on_it(tmp_path, monkeypatch):
+    from ddpcomm.bench._launch import run_group
+
+    (tmp_path / "fake_bench_worker.py").write_text(_FAKE_WORKER)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("FAKE_TEARDOWN_FAIL", "1")
+    cases = [{"kind": "ok", "label": "ok"}]
+    outcome = run_group("fake_bench_worker", 2, None, cases, {"pg_timeout": 60}, lambda c: 30, 1)
+    assert outcome.results == [{"kind": "ok"}]
+    assert outcome.failure is None
+    assert "exit codes {1: 3}" in outcome.teardown_error

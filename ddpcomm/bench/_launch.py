@@ -37,6 +37,9 @@ class Outcome:
     results: list[dict] = field(default_factory=list)
     info: list[dict] = field(default_factory=list)
     failure: Failure | None = None
+    # Set when every case has its result but a rank then failed or hung while shutting
+    # down: a problem to report, not a case to mark failed.
+    teardown_error: str | None = None
 
 
 def progress(msg: str) -> None:
@@ -226,17 +229,24 @@ def _watch(procs, logs, events_path, cases, case_timeout) -> Outcome:
             else:
                 codes = {r: procs[r].poll() for r in bad}
                 reason = f"ranks exited without a Python exception: exit codes {codes}"
-            progress(f"failed: {reason}")
             for r in bad[:1]:
                 print(f"--- rank {r} log (tail) ---\n{_tail(logs[r])}", file=sys.stderr)
-            outcome.failure = Failure(failed_case, reason)
-            return outcome
+            return _fail(outcome, failed_case, reason, done == len(cases))
         if time.monotonic() > deadline:
             limit = case_timeout(failed_case)
-            outcome.failure = Failure(failed_case, f"timeout: no progress in {limit:.0f} s")
-            progress(f"failed: timeout after {limit:.0f} s")
-            return outcome
+            reason = f"timeout: no progress in {limit:.0f} s"
+            return _fail(outcome, failed_case, reason, done == len(cases))
         time.sleep(0.2)
+
+
+def _fail(outcome: Outcome, case: dict, reason: str, all_done: bool) -> Outcome:
+    if all_done:
+        outcome.teardown_error = reason
+        progress(f"warning: a rank failed after the last case finished: {reason}")
+    else:
+        outcome.failure = Failure(case, reason)
+        progress(f"failed: {reason}")
+    return outcome
 
 
 class EventWriter:

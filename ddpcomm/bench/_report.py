@@ -120,3 +120,5 @@ def print_collectives(rows: list[dict], env: dict) -> None:
             ]
         )
     print(table(headers, body))
+    for w in env.get("warnings", []):
+        print(f"warning: {w}")

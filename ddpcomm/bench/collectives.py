@@ -271,6 +271,10 @@ def sweep(args, world: int, links, rate_Bps: float | None, env: dict) -> list[di
         common["link_check_mb"] = 0  # once per world size is enough
         env["link_checks"] += [dict(i, world=world) for i in outcome.info]
         rows += outcome.results
+        if outcome.teardown_error:
+            env.setdefault("warnings", []).append(
+                f"world {world}: a rank failed after its last case: {outcome.teardown_error}"
+            )
         done = len(outcome.results)
         if outcome.failure is None:
             break

@@ -210,6 +210,10 @@ def run(args) -> int:
             common["link_check_mb"] = 0
             env["link_checks"] += [dict(i, world=args.world) for i in outcome.info]
             rows += outcome.results
+            if outcome.teardown_error:
+                env.setdefault("warnings", []).append(
+                    f"a rank failed after its last case: {outcome.teardown_error}"
+                )
             if outcome.failure is None:
                 break
             f = outcome.failure
@@ -318,6 +322,8 @@ def print_train(rows: list[dict], env: dict) -> None:
             ]
         )
     print(_report.table(headers, body))
+    for w in env.get("warnings", []):
+        print(f"warning: {w}")
 
 
 def _moving_average(xs: list[float], window: int) -> list[float]:
