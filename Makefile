@@ -87,3 +87,11 @@ $(CUDA_CHECK_DIR)/%.syntax: csrc/cuda/%.cpp $(CUDA_HDRS) $(VENV)/.deps
 	  -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE -Icsrc -isystem $(TORCH_INC) \
 	  -isystem $(TORCH_INC)/torch/csrc/api/include -isystem $(CUDA_INC) $<
 	@touch $@
+
+# Collectives sweep and end-to-end training over shaped 1 Gbit/s links between network
+# namespaces (needs root; falls back to loopback with a warning). benchmarks/RESULTS.md
+# has the results of these exact commands on the development machine.
+.PHONY: bench-net
+bench-net: all
+	$(PY) -m ddpcomm.bench collectives --link 1gbit --iters 3 --json benchmarks/collectives_1gbit.json
+	$(PY) -m ddpcomm.bench train --link 1gbit --json benchmarks/train_1gbit.json --plot benchmarks/train_1gbit.png

@@ -15,6 +15,8 @@ COMMANDS = ["demo", "kernels"]
 # Fused flatten + all_reduce_coalesced against per-tensor and torch-flatten all_reduces.
 COMMANDS.append("coalesced")
 COMMANDS += ["sparse"]  # sparsification: top-k / random-k
+# Every method over shaped links: one bucket per call, and end-to-end DDP training.
+COMMANDS += ["collectives", "train"]
 
 
 def main(argv: list[str] | None = None) -> int:
