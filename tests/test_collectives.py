@@ -100,6 +100,25 @@ def check_equivalence(rank, world):
     return True
 
 
+def check_pieces(rank, world):
+    # On gloo the all-gather algorithm sends large payloads as several all_gathers; the
+    # result must not depend on how many: force many small pieces, compare bitwise.
+    n = 40 * BLOCK + 3
+    x = rank_input(rank, n)
+    for bits in (8, 1):
+        q = compressors.Quantizer(bits, BLOCK, error_feedback=True, algorithm="all_gather")
+        whole, _ = _reduce(x, q)
+        saved = collectives._GLOO_PIECE_BYTES
+        collectives._GLOO_PIECE_BYTES = 3 * (4 + BLOCK * bits // 8)
+        try:
+            assert len(collectives._pieces(41, 4 + BLOCK * bits // 8, dist.group.WORLD)) == 13
+            pieces, _ = _reduce(x, q)
+        finally:
+            collectives._GLOO_PIECE_BYTES = saved
+        assert torch.equal(whole, pieces), bits
+    return True
+
+
 def check_constants(rank, world):
     # Dyadic constants: every sum and mean below is exact in fp32, so any error would be
     # the quantizer's. Constant blocks must round-trip losslessly at every bit width.
@@ -197,6 +216,7 @@ def check_out_of_order_completion(rank, world):
 
 def all_checks(rank, world):
     check_equivalence(rank, world)
+    check_pieces(rank, world)
     check_constants(rank, world)
     check_error_feedback_invariant(rank, world)
     check_non_finite(rank, world)
