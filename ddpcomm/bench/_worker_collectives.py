@@ -207,26 +207,10 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
 def run_under_torchrun(args) -> int:
     """``collectives`` under torchrun: every rank runs the sweep in-process."""
     from ddpcomm.bench import _report
-    from ddpcomm.bench.collectives import MIB, bucket_shapes, formula_bytes
+    from ddpcomm.bench.collectives import build_cases
 
     world = int(os.environ["WORLD_SIZE"])
-    cases = []
-    for size in args.sizes:
-        numel = int(size * MIB) // 4
-        shapes = bucket_shapes(numel)
-        for method in args.methods:
-            cases.append(
-                {
-                    "method": method,
-                    "size_mib": size,
-                    "numel": numel,
-                    "shapes": shapes,
-                    "iters": args.iters,
-                    "warmup": args.warmup,
-                    "formula_bytes": formula_bytes(method, shapes, world),
-                    "label": f"world {world}  {size:g} MiB  {method}",
-                }
-            )
+    cases = build_cases(args, world)
     rank, world, rows = _worker.run_inline(cases, {"pg_timeout": args.timeout or 600}, run_case)
     if rank == 0:
         env = _report.environment()

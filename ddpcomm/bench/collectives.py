@@ -226,8 +226,8 @@ def run(args) -> int:
     return 0
 
 
-def sweep(args, world: int, links, rate_Bps: float | None, env: dict) -> list[dict]:
-    """All cases of one world size, restarting the group after each failed case."""
+def build_cases(args, world: int) -> list[dict]:
+    """One case per (message size, method) for ``world`` ranks."""
     cases = []
     for size in args.sizes:
         numel = int(size * MIB) // 4
@@ -246,6 +246,12 @@ def sweep(args, world: int, links, rate_Bps: float | None, env: dict) -> list[di
                     "label": f"world {world}  {size:g} MiB  {method}",
                 }
             )
+    return cases
+
+
+def sweep(args, world: int, links, rate_Bps: float | None, env: dict) -> list[dict]:
+    """All cases of one world size, restarting the group after each failed case."""
+    cases = build_cases(args, world)
 
     # Assume 100 MB/s on loopback for the limit: generous for CPU gloo on a loaded machine.
     speed = rate_Bps or 100e6
