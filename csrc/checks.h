@@ -105,6 +105,16 @@ inline void check_divisor_dtype(int64_t divisor, at::ScalarType dtype, const cha
               dtype);
 }
 
+// The output buffer of topk_compress_into: exactly one payload of k entries.
+inline void check_topk_out(const at::Tensor& packed, int64_t k, at::ScalarType value_dtype,
+                           const char* op) {
+  const int64_t need = topk_payload_bytes(k, at::elementSize(value_dtype));
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous() &&
+                  packed.numel() == need,
+              op, ": out must be a contiguous 1-D uint8 tensor of k * (4 + value bytes) = ", need,
+              " bytes, got ", packed.scalar_type(), " of ", packed.numel());
+}
+
 // `payloads` is [N, k * (4 + value bytes)] uint8: N packed top-k payloads, one per rank.
 inline void check_sparse_payloads(const at::Tensor& payloads, int64_t numel, int64_t k,
                                   at::ScalarType value_dtype, const char* op) {

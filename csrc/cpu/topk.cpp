@@ -366,11 +366,7 @@ void topk_compress_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>
   check_sparse_input(x, residual, k, op);
   const at::ScalarType vtype = value_dtype.value_or(at::kFloat);
   check_value_dtype(vtype, op);
-  const int64_t need = topk_payload_bytes(k, at::elementSize(vtype));
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous() &&
-                  packed.numel() == need,
-              op, ": out must be a contiguous 1-D uint8 tensor of k * (4 + value bytes) = ", need,
-              " bytes, got ", packed.scalar_type(), " of ", packed.numel());
+  check_topk_out(packed, k, vtype, op);
   const int64_t n = x.numel();
   const at::Tensor xc = x.contiguous();
   float* res = residual ? residual->data_ptr<float>() : nullptr;

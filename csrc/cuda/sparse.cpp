@@ -50,11 +50,7 @@ void topk_compress_into_cuda(const at::Tensor& x, const std::optional<at::Tensor
   check_sparse_input(x, residual, k, op);
   const at::ScalarType vtype = value_dtype.value_or(at::kFloat);
   check_value_dtype(vtype, op);
-  const int64_t need = topk_payload_bytes(k, at::elementSize(vtype));
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous() &&
-                  packed.numel() == need,
-              op, ": out must be a contiguous 1-D uint8 tensor of k * (4 + value bytes) = ", need,
-              " bytes, got ", packed.scalar_type(), " of ", packed.numel());
+  check_topk_out(packed, k, vtype, op);
   TORCH_CHECK(packed.device() == x.device(), op, ": out is on ", packed.device(), " but x is on ",
               x.device());
   check_on_cuda(x, "x", op);
@@ -63,7 +59,7 @@ void topk_compress_into_cuda(const at::Tensor& x, const std::optional<at::Tensor
   const int64_t n = x.numel();
   const at::Tensor xc = x.contiguous();
   const bool aligned = reinterpret_cast<uintptr_t>(packed.data_ptr()) % 4 == 0;
-  at::Tensor dst = aligned ? packed : bytes(need, x);
+  at::Tensor dst = aligned ? packed : bytes(packed.numel(), x);
   const int64_t samples = topk_sample_count(n);
   cuda::TopkArgs a{xc.data_ptr(),
                    float_type(x.scalar_type()),
