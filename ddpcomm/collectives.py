@@ -386,20 +386,31 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
     block, rec = q.block_size, 4 + q.block_size * q.bits // 8
     records = math.ceil(n / block)
     packed = ctx.buffer("send", size, flat.device)
-    with _Timer(ctx.stats):
-        ops.quantize(
-            flat, residual, q.bits, block, q.stochastic, seed, ctx.step, rank * n, out=packed
-        )
     gathered = ctx.buffer("gather", world * size, flat.device)
     ctx.stats.record("q_all_gather", (world - 1) * size, dense_bytes(n, world, flat.element_size()))
 
-    # Records are whole blocks, so each piece's gathered rows are N payloads of its own
-    # element range: it decodes on its own, straight into its slice of `flat`.
+    # Records are whole blocks, so each piece is quantized on its own (same bytes as the
+    # whole tensor: blocks are independent and RNG counters are element indices) and sent
+    # at once, letting the wire start after the first piece; its gathered rows are N
+    # payloads of its element range and decode straight into that slice of `flat`.
     futures = []
     for r0, r1 in _pieces(records, rec, pg):
         e0, e1 = r0 * block, min(r1 * block, n)
+        send = packed[r0 * rec : r1 * rec]
+        with _Timer(ctx.stats):
+            ops.quantize(
+                flat[e0:e1],
+                None if residual is None else residual[e0:e1],
+                q.bits,
+                block,
+                q.stochastic,
+                seed,
+                ctx.step,
+                rank * n + e0,
+                out=send,
+            )
         piece = gathered[world * r0 * rec : world * r1 * rec]
-        work = _all_gather_single(piece, packed[r0 * rec : r1 * rec], group=pg, async_op=True)
+        work = _all_gather_single(piece, send, group=pg, async_op=True)
         out_rows = piece.view(world, (r1 - r0) * rec)
 
         def decode(fut, out_rows=out_rows, e0=e0, e1=e1):

@@ -105,8 +105,10 @@ def check_pieces(rank, world):
     # result must not depend on how many: force many small pieces, compare bitwise.
     n = 40 * BLOCK + 3
     x = rank_input(rank, n)
-    for bits in (8, 1):
-        q = compressors.Quantizer(bits, BLOCK, error_feedback=True, algorithm="all_gather")
+    for bits, stochastic in ((8, True), (8, False), (1, False)):
+        q = compressors.Quantizer(
+            bits, BLOCK, stochastic=stochastic, error_feedback=True, algorithm="all_gather"
+        )
         whole, _ = _reduce(x, q)
         saved = collectives._GLOO_PIECE_BYTES
         collectives._GLOO_PIECE_BYTES = 3 * (4 + BLOCK * bits // 8)
@@ -115,7 +117,7 @@ def check_pieces(rank, world):
             pieces, _ = _reduce(x, q)
         finally:
             collectives._GLOO_PIECE_BYTES = saved
-        assert torch.equal(whole, pieces), bits
+        assert torch.equal(whole, pieces), (bits, stochastic)
     return True
 
 
