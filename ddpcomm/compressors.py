@@ -16,7 +16,6 @@ True
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
@@ -44,7 +43,7 @@ def _check_bool(value, arg: str) -> bool:
     return value
 
 
-def _check_int(value, arg: str, lo: int, hi: int | None = None) -> int:
+def check_int(value, arg: str, lo: int, hi: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{arg} must be an int, got {value!r}")
     if value < lo or (hi is not None and value > hi):
@@ -64,8 +63,9 @@ class Compressor:
     def check_tensor(self, t: torch.Tensor, arg: str = "tensor") -> None:
         check_float_tensor(t, arg)
 
-    def wire_bytes(self, numel: int, world: int) -> int:
-        """Bytes one rank hands to the wire for a bucket of ``numel`` fp32 elements."""
+    def wire_bytes(self, numel: int, world: int, rank: int = 0) -> int:
+        """Bytes rank ``rank`` hands to the wire for a bucket of ``numel`` fp32 elements
+        (the one formula ``stats()`` counts with)."""
         raise NotImplementedError
 
     def config(self) -> tuple:
@@ -94,7 +94,7 @@ class NoCompression(Compressor):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
 
-    def wire_bytes(self, numel: int, world: int) -> int:
+    def wire_bytes(self, numel: int, world: int, rank: int = 0) -> int:
         return dense_bytes(numel, world, 4)
 
 
@@ -112,11 +112,8 @@ class CastCompression(Compressor):
     def spec(self) -> str:  # type: ignore[override]
         return "fp16" if self.dtype == torch.float16 else "bf16"
 
-    def wire_bytes(self, numel: int, world: int) -> int:
+    def wire_bytes(self, numel: int, world: int, rank: int = 0) -> int:
         return dense_bytes(numel, world, 2)
-
-    def config(self) -> tuple:
-        return (self.spec,)
 
 
 ALGORITHMS = ("auto", "two_phase", "all_gather")
@@ -153,7 +150,7 @@ class Quantizer(Compressor):
     ) -> None:
         if isinstance(bits, bool) or bits not in (1, 2, 4, 8):
             raise ValueError(f"bits must be one of 1, 2, 4, 8, got {bits!r}")
-        _check_int(block_size, "block_size", 32, 65536)
+        check_int(block_size, "block_size", 32, 65536)
         if block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two in [32, 65536], got {block_size}")
         if algorithm not in ALGORITHMS:
@@ -165,14 +162,19 @@ class Quantizer(Compressor):
         self.stochastic = _check_bool(stochastic, "stochastic")
         self.error_feedback = _check_bool(error_feedback, "error_feedback")
         self.algorithm = algorithm
-        self.seed = _check_int(seed, "seed", 0, 2**63 - 1)
+        self.seed = check_int(seed, "seed", 0, 2**63 - 1)
 
     @property
     def spec(self) -> str:  # type: ignore[override]
         return f"q{self.bits}"
 
+    @property
+    def record_bytes(self) -> int:
+        """One block on the wire: a float32 magnitude, then B codes of b bits."""
+        return 4 + self.block_size * self.bits // 8
+
     def payload_bytes(self, numel: int) -> int:
-        return math.ceil(numel / self.block_size) * (4 + self.block_size * self.bits // 8)
+        return math.ceil(numel / self.block_size) * self.record_bytes
 
     def resolve_algorithm(self, world: int) -> str:
         if self.algorithm != "auto":
@@ -184,11 +186,26 @@ class Quantizer(Compressor):
         per_rank = math.ceil(numel / world) if numel else 0
         return math.ceil(per_rank / self.block_size) * self.block_size
 
-    def wire_bytes(self, numel: int, world: int) -> int:
+    def two_phase_splits(self, numel: int, world: int) -> list[int]:
+        """Phase-1 payload bytes addressed to each rank: the unpadded tensor's records, so
+        the trailing chunks may be short (or empty)."""
+        records = math.ceil(numel / self.block_size)
+        per_chunk = self.chunk_numel(numel, world) // self.block_size
+        return [
+            (min(records, (i + 1) * per_chunk) - min(records, i * per_chunk)) * self.record_bytes
+            for i in range(world)
+        ]
+
+    def wire_bytes(self, numel: int, world: int, rank: int = 0) -> int:
         if self.resolve_algorithm(world) == "all_gather":
             return (world - 1) * self.payload_bytes(numel)
-        chunk_payload = self.payload_bytes(self.chunk_numel(numel, world))
-        return 2 * (world - 1) * chunk_payload
+        # Phase 1: every chunk but this rank's own; phase 2: the all_gather of whole chunks.
+        splits = self.two_phase_splits(numel, world)
+        return (
+            sum(splits)
+            - splits[rank]
+            + (world - 1) * self.payload_bytes(self.chunk_numel(numel, world))
+        )
 
     def config(self) -> tuple:
         return (
@@ -199,72 +216,6 @@ class Quantizer(Compressor):
             self.algorithm,
             self.seed,
         )
-
-
-# Spec prefix -> factory(argument after the colon or None, **options).
-_FACTORIES: dict[str, Callable[..., Compressor]] = {}
-
-
-def register(prefix: str, factory: Callable[..., Compressor]) -> None:
-    """Makes ``parse`` build ``factory(arg, **options)`` for specs ``prefix`` / ``prefix:arg``."""
-    _FACTORIES[prefix] = factory
-
-
-def _no_arg(prefix: str, arg: str | None) -> None:
-    if arg is not None:
-        raise ValueError(f"compression spec {prefix!r} takes no ':' argument, got {arg!r}")
-
-
-def _none(arg, **options):
-    _no_arg("none", arg)
-    if options:
-        raise ValueError(f"compression 'none' takes no options, got {sorted(options)}")
-    return NoCompression()
-
-
-def _cast(dtype):
-    def factory(arg, **options):
-        _no_arg("fp16" if dtype == torch.float16 else "bf16", arg)
-        if options:
-            raise ValueError(f"compression casts take no options, got {sorted(options)}")
-        return CastCompression(dtype)
-
-    return factory
-
-
-def _quantizer(bits):
-    def factory(arg, **options):
-        _no_arg(f"q{bits}", arg)
-        return Quantizer(bits=bits, **options)
-
-    return factory
-
-
-register("none", _none)
-register("fp16", _cast(torch.float16))
-register("bf16", _cast(torch.bfloat16))
-for _bits in (8, 4, 2, 1):
-    register(f"q{_bits}", _quantizer(_bits))
-
-
-def parse(spec: str | Compressor, **options) -> Compressor:
-    """Builds the compressor a spec string names; options go to its constructor.
-
-    Raises ValueError for an unknown spec (listing the known ones) and TypeError for an
-    unknown option.
-    """
-    if isinstance(spec, Compressor):
-        if options:
-            raise ValueError("options cannot be combined with a compressor object")
-        return spec
-    if not isinstance(spec, str):
-        raise TypeError(f"compression must be a spec string or a Compressor, got {spec!r}")
-    prefix, _, arg = spec.strip().partition(":")
-    factory = _FACTORIES.get(prefix.lower())
-    if factory is None:
-        known = ", ".join(sorted(_FACTORIES))
-        raise ValueError(f"unknown compression spec {spec!r}; known methods: {known}")
-    return factory(arg if arg else None, **options)
 
 
 # --------------------------------------------------------------------------------------
@@ -356,7 +307,7 @@ class TopK(_Sparsifier):
         """Whether the all-gathered payloads would outweigh a dense fp32 all_reduce."""
         return world * self.payload_bytes(numel) > dense_bytes(numel, world, 4)
 
-    def wire_bytes(self, numel: int, world: int) -> int:
+    def wire_bytes(self, numel: int, world: int, rank: int = 0) -> int:
         if self.use_dense(numel, world):
             return dense_bytes(numel, world, 4)
         return (world - 1) * self.payload_bytes(numel)
@@ -380,30 +331,54 @@ class RandomK(_Sparsifier):
 
     def __init__(self, ratio: float = 0.01, seed: int = 0, error_feedback: bool = True) -> None:
         self.ratio = check_ratio(ratio)
-        self.seed = _check_int(seed, "seed", 0, 2**63 - 1)
+        self.seed = check_int(seed, "seed", 0, 2**63 - 1)
         self.error_feedback = _check_bool(error_feedback, "error_feedback")
 
-    def wire_bytes(self, numel: int, world: int) -> int:
+    def wire_bytes(self, numel: int, world: int, rank: int = 0) -> int:
         return dense_bytes(self.k(numel), world, 4)
 
     def config(self) -> tuple:
         return (self.spec, self.seed, self.error_feedback)
 
 
-def _sparsifier(cls):
-    def factory(arg, **options):
-        if arg is None:
-            raise ValueError(
-                f"compression spec {cls.prefix!r} needs a ratio, e.g. '{cls.prefix}:0.01'"
-            )
+# --------------------------------------------------------------------------------------
+# Spec strings
+# --------------------------------------------------------------------------------------
+
+SPECS = ("none", "fp16", "bf16", "q8", "q4", "q2", "q1", "topk:R", "randk:R")
+
+
+def parse(spec: str | Compressor, **options) -> Compressor:
+    """Builds the compressor a spec string names; options go to its constructor.
+
+    A compressor object (of any ``Compressor`` subclass) passes through unchanged. Raises
+    ValueError for an unknown spec (listing the known ones) or a malformed argument, and
+    TypeError for an unknown option.
+    """
+    if isinstance(spec, Compressor):
+        if options:
+            raise ValueError("options cannot be combined with a compressor object")
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"compression must be a spec string or a Compressor, got {spec!r}")
+    name, colon, arg = spec.strip().partition(":")
+    name = name.lower()
+    if name in ("topk", "randk"):
+        if not arg:
+            raise ValueError(f"compression spec {name!r} needs a ratio, e.g. '{name}:0.01'")
         try:
             ratio = float(arg)
         except ValueError:
             raise ValueError(f"ratio must be a number in (0, 1], got {arg!r}") from None
-        return cls(ratio, **options)
-
-    return factory
-
-
-register("topk", _sparsifier(TopK))
-register("randk", _sparsifier(RandomK))
+        return (TopK if name == "topk" else RandomK)(ratio, **options)
+    if name not in ("none", "fp16", "bf16", "q8", "q4", "q2", "q1"):
+        raise ValueError(f"unknown compression spec {spec!r}; known methods: {', '.join(SPECS)}")
+    if colon:
+        raise ValueError(f"compression spec {name!r} takes no ':' argument, got {arg!r}")
+    if name.startswith("q"):
+        return Quantizer(bits=int(name[1:]), **options)
+    if options:
+        raise ValueError(f"compression {name!r} takes no options, got {sorted(options)}")
+    if name == "none":
+        return NoCompression()
+    return CastCompression(torch.float16 if name == "fp16" else torch.bfloat16)
