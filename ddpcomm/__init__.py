@@ -1,7 +1,8 @@
 """ddpcomm: compressed gradient communication for PyTorch DDP.
 
 >>> import ddpcomm
->>> ddp.register_comm_hook(ddpcomm.QuantizeState(bits=4), ddpcomm.quantize_hook)
+>>> ddp.register_comm_hook(ddpcomm.CompressionState("q4"), ddpcomm.compress_hook)
+>>> ddpcomm.all_reduce(tensor, compression="q8")
 
 See README.md for the methods, their wire formats and measured results.
 """
@@ -11,27 +12,31 @@ from ddpcomm.compressors import parse as parse_compression
 from ddpcomm.hooks import (
     CompressionState,
     QuantizeState,
+    RandomKState,
+    TopKState,
     allreduce_hook,
+    compress_hook,
     quantize_hook,
+    randomk_hook,
+    topk_hook,
 )
 from ddpcomm.ops import build_info
+from ddpcomm.wrappers import AllReduceHandle, all_reduce, all_reduce_coalesced
 
 __all__ = [
+    "AllReduceHandle",
     "CompressionState",
     "QuantizeState",
+    "RandomKState",
+    "TopKState",
+    "all_reduce",
+    "all_reduce_coalesced",
     "allreduce_hook",
     "build_info",
+    "compress_hook",
     "compressors",
     "parse_compression",
     "quantize_hook",
+    "randomk_hook",
+    "topk_hook",
 ]
-
-# Compressed all_reduce wrappers outside DDP (ddpcomm/wrappers.py).
-from ddpcomm.wrappers import AllReduceHandle, all_reduce, all_reduce_coalesced  # noqa: E402
-
-__all__ += ["AllReduceHandle", "all_reduce", "all_reduce_coalesced"]
-
-# Sparsification (top-k, random-k)
-from ddpcomm.hooks import RandomKState, TopKState, randomk_hook, topk_hook  # noqa: E402
-
-__all__ += ["RandomKState", "TopKState", "randomk_hook", "topk_hook"]

@@ -17,12 +17,13 @@ results back: the resumed run continues bitwise as if it had never stopped.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
+
+from ddpcomm.context import Latch
 
 
 class LayoutTracker:
@@ -61,7 +62,10 @@ ReduceFn = Callable[[torch.Tensor, int, tuple], torch.futures.Future]
 
 
 class Reformer:
-    """Reduces one iteration's buckets in a saved layout (see the module docstring)."""
+    """Reduces one iteration's buckets in a saved layout (see the module docstring).
+
+    Made by ``load_state_dict`` with the state's own ``reduce``; lives for one iteration.
+    """
 
     def __init__(self, saved: dict, tracker: LayoutTracker, reduce: ReduceFn) -> None:
         self.saved_shapes = [tuple(s) for s in saved["shapes"]]
@@ -69,9 +73,7 @@ class Reformer:
         self.tracker = tracker
         self.reduce = reduce
         self.issued: set[int] = set()
-        self.segments: dict[int, tuple] = {}  # ordinal -> (buffer, offset, numel, bucket)
-        self.pending: dict[int, list] = {}  # bucket index -> [future, params left]
-        self.lock = threading.Lock()
+        self.segments: dict[int, tuple] = {}  # ordinal -> (buffer, offset, numel, latch)
 
     def matches(self, index: int, ords: tuple[int, ...]) -> bool:
         """Whether this bucket already is the saved bucket of the same index."""
@@ -83,6 +85,8 @@ class Reformer:
     def add(
         self, bucket: dist.GradBucket, ords: tuple[int, ...], params: list
     ) -> torch.futures.Future:
+        """The Future of ``bucket``'s mean: complete once every saved bucket holding one of
+        its parameters has been reduced and copied back."""
         for o in ords:
             if o >= len(self.saved_shapes) or self.tracker.shapes[o] != self.saved_shapes[o]:
                 raise ValueError(
@@ -91,17 +95,16 @@ class Reformer:
                     "of the same model, built the same way"
                 )
         buffer = bucket.buffer()
-        fut: torch.futures.Future = torch.futures.Future()
-        self.pending[bucket.index()] = [fut, len(ords), buffer]
+        latch = Latch(len(ords), buffer, buffer.device)  # one arrival per parameter
         offset = 0
         for o, p in zip(ords, params, strict=True):
-            self.segments[o] = (buffer, offset, p.numel(), bucket.index())
+            self.segments[o] = (buffer, offset, p.numel(), latch)
             offset += p.numel()
         for t, target in sorted(self.targets.items()):
             if t not in self.issued and all(o in self.segments for o in target):
                 self.issued.add(t)
                 self._issue(t, target)
-        return fut
+        return latch.future
 
     def _issue(self, t: int, target: tuple[int, ...]) -> None:
         parts = [self.segments[o] for o in target]
@@ -111,22 +114,14 @@ class Reformer:
         def scatter(f: torch.futures.Future) -> None:
             try:
                 out = f.value()
-                error = None
             except Exception as exc:  # noqa: BLE001 - delivered to every waiting bucket
-                out, error = None, exc
+                for *_, latch in parts:
+                    latch.arrive(exc)
+                return
             pos = 0
-            for buf, off, numel, owner in parts:
-                if error is None:
-                    buf[off : off + numel].copy_(out[pos : pos + numel])
+            for buf, off, numel, latch in parts:
+                buf[off : off + numel].copy_(out[pos : pos + numel])
                 pos += numel
-                with self.lock:
-                    entry = self.pending[owner]
-                    entry[1] -= 1
-                    if entry[0].done():
-                        continue
-                    if error is not None:
-                        entry[0].set_exception(error)
-                    elif entry[1] == 0:
-                        entry[0].set_result(entry[2])
+                latch.arrive()
 
         self.reduce(flat, t, signature).then(scatter)

@@ -29,14 +29,15 @@ check that runs later is whether coalesced entries share memory; see there.)
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from ddpcomm import collectives, ops
-from ddpcomm.collectives import ReduceContext
 from ddpcomm.compressors import Compressor, parse
+from ddpcomm.context import ReduceContext, completed, join, verify_config
 
 Future = torch.futures.Future
 ReduceOp = dist.ReduceOp
@@ -176,11 +177,12 @@ def _group_by_dtype(tensors, compressor: Compressor, op) -> dict[torch.dtype, li
 # --------------------------------------------------------------------------------------
 
 _LOCK = threading.Lock()
-# Calls so far per process group: the `step` of stochastic rounding, so repeated calls draw
-# fresh roundings. Ranks issue collectives on a group in the same order, so they agree.
-_CALLS: dict[dist.ProcessGroup, int] = {}
-# (group, compressor config) pairs whose agreement across ranks has been checked.
-_VERIFIED: set[tuple[dist.ProcessGroup, tuple]] = set()
+# Both keyed weakly by process group, so a destroyed group is not kept alive here.
+# Calls so far per group: the `step` of stochastic rounding, so repeated calls draw fresh
+# roundings. Ranks issue collectives on a group in the same order, so they agree.
+_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Compressor configs whose agreement across the group's ranks has been checked.
+_VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _next_step(pg: dist.ProcessGroup) -> int:
@@ -193,11 +195,13 @@ def _next_step(pg: dist.ProcessGroup) -> int:
 def _verify_once(pg: dist.ProcessGroup, compressor: Compressor, numel: int, device) -> None:
     """At the first lossy call of a configuration on a group, ranks that disagree on the
     method or the size get a clear error instead of a hang or silent garbage."""
-    key = (pg, compressor.config())
-    if key in _VERIFIED:
-        return
-    collectives.verify_config(compressor.config(), numel, pg, device)
-    _VERIFIED.add(key)
+    config = compressor.config()
+    with _LOCK:
+        if config in _VERIFIED.get(pg, ()):
+            return
+    verify_config(config, numel, pg, device)
+    with _LOCK:
+        _VERIFIED.setdefault(pg, set()).add(config)
 
 
 # --------------------------------------------------------------------------------------
@@ -223,11 +227,11 @@ def _issue(flat: torch.Tensor, compressor: Compressor, op, pg, step: int, key: i
     )
 
 
-def _reduced(flat: torch.Tensor, compressor: Compressor, op, pg, value) -> torch.Tensor:
+def _reduced(flat: torch.Tensor, compressor: Compressor, op, world: int, value) -> torch.Tensor:
     """The reduced values of ``flat`` once its work is done; ``value`` is what it gave."""
     if not compressor.lossy:
         return flat
-    return value.mul_(dist.get_world_size(pg)) if op == "sum" else value
+    return value.mul_(world) if op == "sum" else value
 
 
 def _run(jobs, compressor: Compressor, op, pg, step: int, tensors, async_op: bool):
@@ -238,27 +242,25 @@ def _run(jobs, compressor: Compressor, op, pg, step: int, tensors, async_op: boo
         (flat, write, _issue(flat, compressor, op, pg, step, key))
         for key, (flat, write) in enumerate(jobs)
     ]
+    # The callbacks below get the world size, never the group: a callback must not hold
+    # the last reference to a process group (see context.ReduceContext).
+    world = dist.get_world_size(pg)
     if not async_op:
         # Waiting here rather than in callbacks keeps the write-back on the caller's
         # thread and its intra-op thread settings, and saves a Future per job.
         for flat, write, pending in issued:
-            write(_reduced(flat, compressor, op, pg, pending.wait()))
+            write(_reduced(flat, compressor, op, world, pending.wait()))
         return None
 
     def finisher(flat, write):
-        return lambda f: write(_reduced(flat, compressor, op, pg, f.value()))
+        return lambda f: write(_reduced(flat, compressor, op, world, f.value()))
 
     futures = [
         (p.get_future() if isinstance(p, dist.Work) else p).then(finisher(flat, write))
         for flat, write, p in issued
     ]
 
-    def result(all_done: Future) -> list[torch.Tensor]:
-        for f in all_done.value():
-            f.value()  # re-raises that job's failure
-        return tensors
-
-    return AllReduceHandle(torch.futures.collect_all(futures).then(result))
+    return AllReduceHandle(join(futures, tensors, issued[0][0].device))
 
 
 def _memory_order_view(t: torch.Tensor) -> torch.Tensor | None:
@@ -279,12 +281,6 @@ def _memory_order_view(t: torch.Tensor) -> torch.Tensor | None:
             return None
         expected *= size
     return t.as_strided((t.numel(),), (1,))
-
-
-def _completed(tensors: list[torch.Tensor]) -> AllReduceHandle:
-    fut: Future = Future()
-    fut.set_result(tensors)
-    return AllReduceHandle(fut)
 
 
 # --------------------------------------------------------------------------------------
@@ -348,12 +344,14 @@ def all_reduce(
         if not async_op:
             return None
         return AllReduceHandle(work.get_future().then(lambda _: [tensor]))
-    if compressor.lossy and tensor.numel() == 0:
-        return _completed([tensor]) if async_op else None
+    if compressor.lossy:
+        # Before any early return: a rank with an empty tensor still meets its peers here,
+        # and a size mismatch is an error on every rank rather than a hang.
+        _verify_once(pg, compressor, tensor.numel(), tensor.device)
+        if tensor.numel() == 0:
+            return AllReduceHandle(completed([tensor], tensor.device)) if async_op else None
 
     flat = view if view is not None else ops.flatten([target])
-    if compressor.lossy:
-        _verify_once(pg, compressor, flat.numel(), flat.device)
 
     def write(out: torch.Tensor) -> None:
         if view is None:
@@ -414,7 +412,8 @@ def all_reduce_coalesced(
     # A group of empty tensors has nothing to reduce; every rank skips it alike.
     groups = [ts for ts in groups.values() if any(t.numel() for t in ts)]
     if not groups:
-        return _completed(tensors) if async_op else None
+        device = tensors[0].device if tensors else torch.device("cpu")
+        return AllReduceHandle(completed(tensors, device)) if async_op else None
 
     flats = [ops.flatten(ts) for ts in groups]
     if compressor.lossy:

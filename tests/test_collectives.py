@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpcomm import collectives, compressors, reference
-from ddpcomm.collectives import ReduceContext, ResidualMemory
+from ddpcomm import collectives, compressors, context, reference
+from ddpcomm.context import ReduceContext, ResidualMemory
 from tests.dist_utils import run_ranks
 
 BLOCK = 64
@@ -89,6 +89,15 @@ def check_equivalence(rank, world):
             )
             err = (out - exact).abs()
             assert bool((err <= bound).all()), (bits, algorithm, float((err - bound).max()))
+
+    # Dispatch is by isinstance: a subclass of a method runs that method's algorithm.
+    class Subclass(compressors.Quantizer):
+        __slots__ = ()
+
+    assert torch.equal(
+        _reduce(xs[rank], Subclass(4, BLOCK))[0],
+        _reduce(xs[rank], compressors.Quantizer(4, BLOCK))[0],
+    )
 
     # fp16 / bf16 buckets come back in their dtype, identical everywhere.
     for dtype in (torch.float16, torch.bfloat16):
@@ -188,10 +197,10 @@ def check_config_mismatch(rank, world):
     messages = []
     for config, numel in (((f"q{8 >> rank}",), 10), (("q8",), 10 + rank)):
         try:
-            collectives.verify_config(config, numel, None, "cpu")
+            context.verify_config(config, numel, None, "cpu")
         except ValueError as exc:
             messages.append(str(exc))
-    collectives.verify_config(("q8",), 10, None, "cpu")  # agreement passes
+    context.verify_config(("q8",), 10, None, "cpu")  # agreement passes
     return messages
 
 

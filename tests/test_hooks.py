@@ -68,19 +68,25 @@ def check_parity(rank, world):
     m, _ = train(rank, None, ddpcomm.allreduce_hook)
     assert torch.equal(flat_params(m), ref)
 
-    for name, state in (
-        ("q8", ddpcomm.QuantizeState(bits=8)),
-        ("q4ef", ddpcomm.QuantizeState(bits=4, error_feedback=True)),
-        ("q8none", None),
+    params = {}
+    for name, state, hook in (
+        ("q8", ddpcomm.QuantizeState(bits=8), ddpcomm.quantize_hook),
+        ("q4ef", ddpcomm.QuantizeState(bits=4, error_feedback=True), ddpcomm.quantize_hook),
+        ("q8none", None, ddpcomm.quantize_hook),
+        ("q4ef_spec", ddpcomm.CompressionState("q4", error_feedback=True), ddpcomm.compress_hook),
+        ("q8_spec_none", None, ddpcomm.compress_hook),
     ):
-        m, losses = train(rank, state, ddpcomm.quantize_hook)
-        p = flat_params(m)
+        m, losses = train(rank, state, hook)
+        p = params[name] = flat_params(m)
         assert identical_across_ranks(p, world), name
         rel = float((p - ref).norm() / ref.norm())
         results[name] = (rel, losses[-1], ref_losses[-1])
         if state is not None:
             s = state.stats()
             assert s["paths"] and s["bytes_sent"] > 0 and s["dense_bytes"] > s["bytes_sent"]
+    # One state, one hook: a spec string runs exactly what the named state runs.
+    assert torch.equal(params["q4ef_spec"], params["q4ef"])
+    assert torch.equal(params["q8_spec_none"], params["q8none"])
     return results
 
 
@@ -238,8 +244,12 @@ def test_integer_bucket_rejected():
         ({"stochastic": 1}, TypeError, "stochastic must be a bool"),
         ({"error_feedback": "yes"}, TypeError, "error_feedback must be a bool"),
         ({"algorithm": "ring"}, ValueError, "algorithm must be one of"),
-        ({"start_iter": -1}, ValueError, "start_iter must be an int >= 0"),
-        ({"min_numel": 1.5}, ValueError, "min_numel must be an int >= 0"),
+        # The same mistake raises the same exception type for every count argument.
+        ({"start_iter": -1}, ValueError, "start_iter must be >= 0"),
+        ({"start_iter": 2.0}, TypeError, "start_iter must be an int"),
+        ({"min_numel": 1.5}, TypeError, "min_numel must be an int"),
+        ({"min_numel": -1}, ValueError, "min_numel must be >= 0"),
+        ({"seed": 1.0}, TypeError, "seed must be an int"),
         ({"seed": -3}, ValueError, "seed must be in"),
         ({"process_group": "world"}, TypeError, "process_group must be a ProcessGroup"),
         ({"bitz": 8}, TypeError, "unexpected keyword argument 'bitz'"),

@@ -11,8 +11,8 @@ import torch.distributed as dist
 import ddpcomm.ops as ops
 import ddpcomm.reference as ref
 from ddpcomm import collectives
-from ddpcomm.collectives import ReduceContext, ResidualMemory
 from ddpcomm.compressors import RandomK, TopK, parse
+from ddpcomm.context import ReduceContext, ResidualMemory
 from tests.dist_utils import run_ranks
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]

@@ -306,6 +306,10 @@ def _check_bad_inputs(rank, world):
         r"tensors\[0\] and tensors\[1\] share memory",
         x,
     )
+    # A lossy call where one rank's tensor is empty: a clear error on every rank (the size
+    # check runs before the empty rank could return), not a hang.
+    z = torch.ones(0 if rank == 0 else 300)
+    _refused(lambda: ddpcomm.all_reduce(z, "q8"), ValueError, "ranks disagree", z)
     # No refused call left a collective unmatched: the ranks are still in step.
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
@@ -359,6 +363,25 @@ def _check_parameters(rank, world):
             assert all(p.requires_grad and p.is_leaf for p in params)
 
 
+def _check_groups_not_kept_alive(rank, world):
+    import gc
+    import weakref
+
+    import ddpcomm
+
+    # Per-group bookkeeping (call counts, verified configs, two-phase sequencers) must not
+    # keep a destroyed process group alive.
+    group = dist.new_group(list(range(world)))
+    ddpcomm.all_reduce(torch.ones(512), "q8", group=group)
+    two_phase = ddpcomm.compressors.Quantizer(8, algorithm="two_phase", error_feedback=False)
+    ddpcomm.all_reduce(torch.ones(512), two_phase, group=group)
+    ref = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    assert ref() is None
+
+
 def _run_docstrings(rank, world):
     import ddpcomm
 
@@ -371,6 +394,7 @@ def _misc_body(rank, world):
     _check_bad_inputs(rank, world)
     _check_hook_parity(rank, world)
     _check_parameters(rank, world)
+    _check_groups_not_kept_alive(rank, world)
     _run_docstrings(rank, world)
 
 

@@ -1,0 +1,404 @@
+"""What the all-reduce algorithms keep between calls, and the futures they hand back.
+
+``collectives.py`` holds the algorithms; this module holds their bookkeeping, so the
+algorithms read top-down:
+
+- ``Stats``: bytes sent against a plain all_reduce, compression time, paths taken.
+- ``ResidualMemory``: the fp32 error-feedback residuals of each bucket.
+- ``Workspace``: reused payload buffers (a fresh multi-megabyte tensor per call costs more
+  in first-touch page faults than the kernel that fills it).
+- ``ReduceContext``: one call's group, bucket key, step and the three above.
+- ``verify_config``: ranks that disagree on the method fail on every rank, not hang.
+- ``Sequencer``: second-phase collectives issued in one order on every rank.
+- ``device_future`` and ``Latch``: Futures that carry CUDA results correctly.
+
+CUDA futures. A ``torch.futures.Future`` created with ``devices=[cuda device]`` records an
+event on the current stream when it is completed, and whoever waits on it (DDP's reducer,
+a ``then`` callback) waits for that event, i.e. for the kernels that produced its value. A
+device-less Future records nothing: its waiter would read the result before the kernels
+wrote it. Every Future here that carries a CUDA tensor is the collective's own future, a
+``then`` of one, or made by ``device_future``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+import weakref
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+Future = torch.futures.Future
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single; older releases have only
+# the former. Same collective either way.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# --------------------------------------------------------------------------------------
+# Futures
+# --------------------------------------------------------------------------------------
+
+
+def device_future(device: torch.device) -> Future:
+    """A Future that, for a CUDA device, orders its waiters after the producing stream."""
+    return Future(devices=[device]) if device.type == "cuda" else Future()
+
+
+def completed(value, device: torch.device) -> Future:
+    fut = device_future(device)
+    fut.set_result(value)
+    return fut
+
+
+class Latch:
+    """A Future completed with ``value`` once ``count`` parts have arrived.
+
+    Each part calls ``arrive()`` after enqueueing its work (typically inside a ``then``
+    callback, whose current CUDA stream differs from part to part). On CUDA every arrival
+    records an event on its current stream and the last arrival makes its own stream wait
+    for all of them before completing the Future, so its waiters see every part's kernels.
+    The first failure completes the Future with that exception.
+    """
+
+    __slots__ = ("future", "_value", "_left", "_events", "_cuda", "_lock")
+
+    def __init__(self, count: int, value, device: torch.device) -> None:
+        self.future = device_future(device)
+        self._value = value
+        self._left = count
+        self._events: list = []
+        self._cuda = device.type == "cuda"
+        self._lock = threading.Lock()
+        if count == 0:
+            self.future.set_result(value)
+
+    def arrive(self, error: BaseException | None = None) -> None:
+        event = None
+        if self._cuda and error is None:
+            event = torch.cuda.Event()
+            event.record()
+        with self._lock:
+            if self.future.done():
+                return
+            if error is not None:
+                self.future.set_exception(error)
+                return
+            self._left -= 1
+            if event is not None:
+                self._events.append(event)
+            if self._left:
+                return
+            for e in self._events:
+                torch.cuda.current_stream().wait_event(e)
+            self.future.set_result(self._value)
+
+    def watch(self, fut: Future, work: Callable[[Future], None] | None = None) -> None:
+        """Arrives when ``fut`` completes, after running ``work(fut)`` (which may raise)."""
+
+        def part(f: Future) -> None:
+            try:
+                f.wait()
+                if work is not None:
+                    work(f)
+            except Exception as exc:  # noqa: BLE001 - handed to the latch's waiter
+                self.arrive(exc)
+                return
+            self.arrive()
+
+        fut.then(part)
+
+
+def join(futures: list[Future], value, device: torch.device) -> Future:
+    """A Future of ``value`` completed after every one of ``futures`` (CUDA-ordered)."""
+    if len(futures) == 1:
+        return futures[0].then(lambda f: (f.wait(), value)[1])
+    latch = Latch(len(futures), value, device)
+    for f in futures:
+        latch.watch(f)
+    return latch.future
+
+
+# --------------------------------------------------------------------------------------
+# Stats and per-bucket memory
+# --------------------------------------------------------------------------------------
+
+
+class Stats:
+    """What compression bought: bytes handed to collectives vs a plain all_reduce.
+
+    ``bytes_sent`` counts the bytes this rank puts on the wire, as a ring schedule would
+    send them: 2(N-1)/N*S for an all_reduce of S bytes, (N-1)*S for an all_gather of S
+    bytes per rank, the bytes addressed to other ranks for an all_to_all (each method's
+    ``Compressor.wire_bytes`` is the one formula). ``dense_bytes`` is what a plain
+    all_reduce of the same tensors would have sent. ``compress_seconds`` is host time spent
+    in (de)compression ops (on CUDA, launch time: kernels run asynchronously).
+    """
+
+    __slots__ = ("bytes_sent", "dense_bytes", "compress_seconds", "calls", "paths", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.bytes_sent = 0
+        self.dense_bytes = 0
+        self.compress_seconds = 0.0
+        self.calls = 0
+        self.paths: Counter[str] = Counter()
+
+    def record(self, path: str, sent: int, dense: int) -> None:
+        with self._lock:
+            self.calls += 1
+            self.bytes_sent += sent
+            self.dense_bytes += dense
+            self.paths[path] += 1
+
+    def timer(self) -> _Timer:
+        """``with stats.timer(): ...`` adds the block's host time to compress_seconds."""
+        return _Timer(self)
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            ratio = self.dense_bytes / self.bytes_sent if self.bytes_sent else float("nan")
+            return {
+                "calls": self.calls,
+                "bytes_sent": self.bytes_sent,
+                "dense_bytes": self.dense_bytes,
+                "compression_ratio": ratio,
+                "compress_seconds": self.compress_seconds,
+                "paths": dict(self.paths),
+            }
+
+
+class _Timer:
+    __slots__ = ("stats", "t0")
+
+    def __init__(self, stats: Stats) -> None:
+        self.stats = stats
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        elapsed = time.perf_counter() - self.t0
+        with self.stats._lock:
+            self.stats.compress_seconds += elapsed
+
+
+class ResidualMemory:
+    """fp32 error-feedback buffers keyed by (kind, bucket key).
+
+    A buffer is handed out zeroed when first asked for, and again whenever the bucket's
+    numel or signature changes: DDP rebuilds its buckets after the first iteration, and a
+    residual laid out for the old bucket would add errors to the wrong parameters.
+    """
+
+    __slots__ = ("buffers", "signatures")
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.signatures: dict[tuple, object] = {}
+
+    def get(self, kind: str, key, numel: int, device, signature=None) -> torch.Tensor:
+        k = (kind, key)
+        buf = self.buffers.get(k)
+        if (
+            buf is None
+            or buf.numel() != numel
+            or buf.device != torch.device(device)
+            or (self.signatures.get(k) != signature)
+        ):
+            buf = torch.zeros(numel, dtype=torch.float32, device=device)
+            self.buffers[k] = buf
+            self.signatures[k] = signature
+        return buf
+
+    def state_dict(self) -> dict:
+        return {
+            "buffers": {k: v.detach().cpu().clone() for k, v in self.buffers.items()},
+            "signatures": dict(self.signatures),
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.buffers = {k: v.clone() for k, v in sd["buffers"].items()}
+        self.signatures = dict(sd["signatures"])
+
+
+class Workspace:
+    """Reusable uint8 buffers keyed by (name, bucket key).
+
+    A key's buffers are reused by its next call: callers must not overlap two calls with
+    the same key (DDP never does: a bucket's next reduction starts after its previous one
+    finished, and on CUDA after the previous one's kernels, through its Future's events).
+    """
+
+    __slots__ = ("buffers",)
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, name: str, key, nbytes: int, device) -> torch.Tensor:
+        buf = self.buffers.get((name, key))
+        if buf is None or buf.numel() != nbytes or buf.device != torch.device(device):
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self.buffers[(name, key)] = buf
+        return buf
+
+
+class ReduceContext:
+    """Everything an algorithm needs beyond the tensor and the method: the group, the
+    bucket's key, the step, and where residuals, buffers and stats live.
+
+    The group is held weakly: the algorithms' callbacks hold the context, and a callback
+    must never hold the last reference to a process group, whose destructor would then
+    run on (and try to join) that group's own worker thread.
+    """
+
+    __slots__ = ("_group", "memory", "key", "step", "signature", "stats", "workspace", "residuals")
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        memory: ResidualMemory | None = None,
+        key=0,
+        step: int = 0,
+        signature=None,
+        stats: Stats | None = None,
+        workspace: Workspace | None = None,
+    ) -> None:
+        self._group = None if group is None else weakref.ref(group)
+        self.memory = memory
+        self.key = key
+        self.step = step
+        self.signature = signature
+        self.stats = Stats() if stats is None else stats
+        self.workspace = workspace
+        self.residuals: list[torch.Tensor] = []  # handed out by residual(), for resets
+
+    @property
+    def pg(self) -> dist.ProcessGroup:
+        if self._group is None:
+            return dist.group.WORLD
+        group = self._group()
+        if group is None:
+            raise RuntimeError("ddpcomm: the process group of this reduction was destroyed")
+        return group
+
+    def buffer(self, name: str, nbytes: int, device) -> torch.Tensor:
+        """A uint8 scratch buffer: the workspace's for this key, or a new one."""
+        if self.workspace is None:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self.workspace.get(name, self.key, nbytes, device)
+
+    def residual(self, kind: str, numel: int, device) -> torch.Tensor:
+        if self.memory is None:
+            raise ValueError("error feedback needs a ResidualMemory in the ReduceContext")
+        buf = self.memory.get(kind, self.key, numel, device, self.signature)
+        self.residuals.append(buf)
+        return buf
+
+    def reset_unless(self, finite: torch.Tensor) -> None:
+        """Zeroes this call's residuals where the 0-dim bool ``finite`` is False.
+
+        A device-side select, not a Python branch: reading ``finite`` on the host would
+        stall the stream (and DDP's backward) on every bucket. After a non-finite step the
+        residuals hold NaN/Inf; zeroing them keeps the next step's input clean.
+        """
+        for buf in self.residuals:
+            buf.masked_fill_(finite.logical_not(), 0.0)
+
+
+# --------------------------------------------------------------------------------------
+# Configuration agreement
+# --------------------------------------------------------------------------------------
+
+
+def fingerprint(config: tuple) -> int:
+    """A stable int64 digest of a configuration tuple (same on every rank and process)."""
+    digest = hashlib.sha256(repr(config).encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
+
+
+def verify_config(config: tuple, numel: int, group: dist.ProcessGroup | None, device) -> None:
+    """Raises ValueError on every rank when ranks disagree on ``config`` or ``numel``.
+
+    One small blocking all_gather; callers run it once, at their first compressed step,
+    so a mismatch is a clear error everywhere instead of a hang or silent garbage.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(pg)
+    mine = torch.tensor([fingerprint(config), numel], dtype=torch.int64, device=device)
+    every = torch.empty(world * 2, dtype=torch.int64, device=device)
+    all_gather_single(every, mine, group=pg)
+    every = every.view(world, 2).cpu()
+    if not bool((every == every[0]).all()):
+        rows = [
+            f"rank {r}: config {int(every[r, 0]):#x}, numel {int(every[r, 1])}"
+            for r in range(world)
+        ]
+        raise ValueError(
+            "ddpcomm: ranks disagree on the compression configuration or bucket size "
+            f"(this rank: {config}, numel {numel}); " + "; ".join(rows)
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Collective-order sequencer for second-phase collectives
+# --------------------------------------------------------------------------------------
+
+
+class Sequencer:
+    """Issues second-phase collectives on a companion group in ticket order.
+
+    gloo and NCCL pair collectives by the order each rank issues them on a group, while
+    ``Future.then`` callbacks run in whatever order collectives finish. A ticket is taken
+    when the first phase is issued (bucket order, the same on every rank); the second
+    phase is issued on the companion group strictly in ticket order.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        ranks = dist.get_process_group_ranks(group)
+        # Only members call this, at their first two-phase step, in the same order. The
+        # companion runs on the group's own backend: a NCCL group's phase 2 stays on NCCL.
+        self.companion = dist.new_group(
+            ranks, backend=dist.get_backend(group), use_local_synchronization=True
+        )
+        self._lock = threading.Lock()
+        self._next_ticket = 0
+        self._next_to_run = 0
+        self._ready: dict[int, Callable[[], None]] = {}
+
+    def ticket(self) -> int:
+        """Taken on the issuing thread, right after the first phase is issued."""
+        with self._lock:
+            t = self._next_ticket
+            self._next_ticket += 1
+            return t
+
+    def submit(self, ticket: int, issue: Callable[[], None]) -> None:
+        """Runs ``issue`` once every earlier ticket's has run; never blocks on the network."""
+        with self._lock:
+            self._ready[ticket] = issue
+            while self._next_to_run in self._ready:
+                fn = self._ready.pop(self._next_to_run)
+                self._next_to_run += 1
+                fn()
+
+
+# Weak keys: a destroyed process group is not kept alive by its sequencer.
+_SEQUENCERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SEQUENCERS_LOCK = threading.Lock()
+
+
+def sequencer(group: dist.ProcessGroup) -> Sequencer:
+    with _SEQUENCERS_LOCK:
+        seq = _SEQUENCERS.get(group)
+        if seq is None:
+            seq = _SEQUENCERS[group] = Sequencer(group)
+        return seq
