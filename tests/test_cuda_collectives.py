@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpcomm
 from ddpcomm import collectives, compressors
-from ddpcomm.collectives import ReduceContext, ResidualMemory
+from ddpcomm.context import ReduceContext, ResidualMemory
 from tests.cuda_utils import needs_cuda
 from tests.dist_utils import run_ranks
 
@@ -158,3 +158,99 @@ def check_wrappers(rank, world):
 def test_all_reduce_coalesced_with_cuda_tensors_on_gloo():
     for rank, bad in enumerate(run_ranks(check_wrappers, 2)):
         assert bad == [], f"rank {rank}: CUDA differs from CPU for {bad}"
+
+
+# --------------------------------------------------------------------------------------
+# CUDA futures and streams (DESIGN.md §8): no host sync in the hot path, and a waiter on
+# the returned Future sees the last kernel's output even when that kernel is slow.
+# --------------------------------------------------------------------------------------
+
+# One config per algorithm, error feedback on where it has a residual to reset.
+HOT_PATHS = [
+    ("q8", dict(algorithm="all_gather", error_feedback=True)),
+    ("q4", dict(algorithm="two_phase", error_feedback=True)),
+    ("topk:0.05", dict()),
+    ("topk:0.9", dict()),  # the dense switch
+    ("randk:0.05", dict()),
+    ("fp16", dict()),
+]
+
+
+def check_no_host_sync(rank, world):
+    torch.cuda.set_device(0)
+    nccl = dist.new_group(backend="nccl")
+    bad = []
+    try:
+        for spec, opts in HOT_PATHS:
+            comp = compressors.parse(spec, **opts)
+            ctx = ReduceContext(group=nccl, memory=ResidualMemory(), key=0)
+            xs = [rank_input(rank, 3 * 4096 + 77, s).cuda() for s in range(2)]
+            collectives.all_reduce_mean(xs[0], comp, ctx).wait()  # buffers allocated
+            torch.cuda.synchronize()
+            ctx.step = 1
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                collectives.all_reduce_mean(xs[1], comp, ctx).wait()
+            except RuntimeError as exc:
+                bad.append(f"{spec}: {exc}")
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+    finally:
+        dist.destroy_process_group(nccl)
+    return bad
+
+
+def test_no_host_sync_in_any_algorithm_on_nccl():
+    assert run_ranks(check_no_host_sync, 1) == [[]]
+
+
+# The op each algorithm's last kernel comes from (collectives calls them as ops.<name>).
+LAST_OPS = {"q8": "dequantize_sum", "q4": "dequantize", "topk:0.05": "sparse_accumulate"}
+LAST_OPS.update({"topk:0.9": "sparse_accumulate", "randk:0.05": "randk_decompress"})
+
+
+def check_slow_last_kernel(rank, world, backend):
+    """Delays the algorithm's last kernel by ~50 ms on its stream; reading the result on
+    the caller's stream right after Future.wait() must still see the final values."""
+    from ddpcomm import ops
+
+    torch.cuda.set_device(0)
+    group = dist.new_group(backend=backend) if backend == "nccl" else None
+    bad = []
+    for spec, opts in HOT_PATHS:
+        name = LAST_OPS.get(spec)
+        if name is None:
+            continue
+        comp = compressors.parse(spec, **opts)
+        x = rank_input(rank, 3 * 4096 + 77, 0)
+        want = collectives.all_reduce_mean(
+            x.clone(), comp, ReduceContext(group=None, memory=ResidualMemory())
+        ).wait()
+        real = getattr(ops, name)
+
+        def slow(*args, real=real, **kwargs):
+            torch.cuda._sleep(100_000_000)  # ~50 ms of spinning on the current stream
+            return real(*args, **kwargs)
+
+        setattr(ops, name, slow)
+        try:
+            ctx = ReduceContext(group=group, memory=ResidualMemory())
+            out = collectives.all_reduce_mean(x.cuda(), comp, ctx).wait()
+            seen = out.clone()  # on the caller's stream, no synchronize before it
+        finally:
+            setattr(ops, name, real)
+        torch.cuda.synchronize()
+        if not torch.equal(seen.cpu(), want):
+            bad.append(spec)
+    if group is not None:
+        dist.destroy_process_group(group)
+    return bad
+
+
+def test_future_orders_waiter_after_last_kernel_nccl():
+    assert run_ranks(check_slow_last_kernel, 1, "nccl") == [[]]
+
+
+def test_future_orders_waiter_after_last_kernel_gloo_two_ranks():
+    assert run_ranks(check_slow_last_kernel, 2, "gloo") == [[], []]
