@@ -1,0 +1,57 @@
+"""An ordinary DDP training script that never imports ddpcomm (unless DDPCOMM_BY_HAND=1).
+
+Under torchrun it is one rank; run directly, it spawns WORLD ranks itself with
+torch.multiprocessing. Every rank prints the comm hook DDP's logging data names and a
+digest of its final parameters.
+"""
+
+import hashlib
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def train(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 8)))
+    if os.environ.get("DDPCOMM_BY_HAND") == "1":
+        import ddpcomm
+
+        state = ddpcomm.CompressionState(os.environ["HAND_SPEC"])
+        model.register_comm_hook(state, ddpcomm.compress_hook)
+    if os.environ.get("OWN_HOOK") == "1":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(6):
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(100 * step + rank))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    params = torch.cat([p.detach().flatten() for p in model.parameters()])
+    digest = hashlib.sha256(params.numpy().tobytes()).hexdigest()[:16]
+    hook = model._get_ddp_logging_data().get("comm_hook")
+    print(f"rank {rank} hook={hook} params={digest}", flush=True)
+
+
+def spawned(rank: int, world: int, port: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    train(rank, world)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:  # under torchrun
+        dist.init_process_group("gloo")
+        train(dist.get_rank(), dist.get_world_size())
+        dist.destroy_process_group()
+    else:
+        mp.spawn(spawned, args=(2, sys.argv[1]), nprocs=2)
