@@ -93,5 +93,5 @@ $(CUDA_CHECK_DIR)/%.syntax: csrc/cuda/%.cpp $(CUDA_HDRS) $(VENV)/.deps
 # has the results of these exact commands on the development machine.
 .PHONY: bench-net
 bench-net: all
-	$(PY) -m ddpcomm.bench collectives --link 1gbit --iters 3 --json benchmarks/collectives_1gbit.json
-	$(PY) -m ddpcomm.bench train --link 1gbit --json benchmarks/train_1gbit.json --plot benchmarks/train_1gbit.png
+	$(PY) -m ddpcomm.bench collectives --link 1gbit --iters 3 --out benchmarks/collectives_1gbit.json
+	$(PY) -m ddpcomm.bench train --link 1gbit --out benchmarks/train_1gbit.json --plot benchmarks/train_1gbit.png
