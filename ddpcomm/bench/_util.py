@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -20,8 +21,15 @@ def environment() -> dict:
     """What the numbers were measured on, including how busy the machine was."""
     import ddpcomm
 
+    root = os.path.dirname(os.path.dirname(os.path.abspath(ddpcomm.__file__)))
+    try:  # the code measured, when it runs from a git checkout
+        git = ["git", "-C", root, "describe", "--always", "--dirty"]
+        commit = subprocess.run(git, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        commit = ""
     return {
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "ddpcomm_commit": commit or None,
         "host_cpus": os.cpu_count(),
         "loadavg_1_5_15": os.getloadavg(),
         "python": platform.python_version(),
@@ -32,7 +40,10 @@ def environment() -> dict:
 
 def machine_line(env: dict) -> str:
     load = ", ".join(f"{x:.1f}" for x in env["loadavg_1_5_15"])
-    return f"{env['host_cpus']} cpus, load {load} (1/5/15 min) at start, torch {env['torch']}"
+    commit = f", ddpcomm {env['ddpcomm_commit']}" if env.get("ddpcomm_commit") else ""
+    return (
+        f"{env['host_cpus']} cpus, load {load} (1/5/15 min) at start, torch {env['torch']}{commit}"
+    )
 
 
 def finish(result: dict, report, out: str | None) -> None:
