@@ -36,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
-    for name in COMMANDS:
+    argv = sys.argv[1:] if argv is None else argv
+    # Only the command asked for is imported (each pulls in more of torch); --help: all.
+    for name in argv[:1] if argv[:1] and argv[0] in COMMANDS else COMMANDS:
         importlib.import_module(f"ddpcomm.bench.{name}").add_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args) or 0

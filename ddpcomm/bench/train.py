@@ -115,7 +115,7 @@ def _config(args) -> GPTConfig:
 
 
 def run(args, command: str = "train") -> int:
-    if getattr(args, "quick", False) and command == "train":
+    if getattr(args, "quick", False):  # demo presets its own model
         args.steps, args.warmup_steps, args.batch, args.seq, args.eval_batch = 12, 2, 2, 32, 4
         args.d_model, args.layers, args.heads, args.vocab = 64, 2, 2, 256
     cfg = _config(args)
