@@ -78,7 +78,7 @@ def table(headers: list[str], rows: list[list[str]], markdown: bool = False) -> 
     if markdown:
         lines = [headers, ["---"] * len(headers), *rows]
         return "\n".join("| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in lines)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     text = [any(r[i][:1].isalpha() for r in rows) for i in range(len(headers))]
 
     def line(cells: list[str]) -> str:
