@@ -28,8 +28,11 @@ demo: all
 test: all nvcc-check
 	$(PY) -m pytest -q tests
 
+# Regenerates benchmarks/kernels_cpu.{json,txt} (benchmarks/README.md lists every result
+# and its command).
 bench: all
-	$(PY) -m ddpcomm.bench kernels
+	$(PY) -m ddpcomm.bench kernels --sizes 64 --out benchmarks/kernels_cpu.json > benchmarks/kernels_cpu.txt
+	cat benchmarks/kernels_cpu.txt
 
 # Compiles every CUDA kernel file with plain nvcc (no torch headers, no GPU needed), and
 # syntax-checks every CUDA torch binding against the CPU wheel's headers (see below).
@@ -88,10 +91,13 @@ $(CUDA_CHECK_DIR)/%.syntax: csrc/cuda/%.cpp $(CUDA_HDRS) $(VENV)/.deps
 	  -isystem $(TORCH_INC)/torch/csrc/api/include -isystem $(CUDA_INC) $<
 	@touch $@
 
-# Collectives sweep and end-to-end training over shaped 1 Gbit/s links between network
-# namespaces (needs root; falls back to loopback with a warning). benchmarks/RESULTS.md
-# has the results of these exact commands on the development machine.
+# The results over shaped 1 and 10 Gbit/s links between network namespaces (needs root;
+# without it the runs fall back to loopback, say so, and should not be committed).
+# Regenerates the collectives_* and train_* files in benchmarks/, as its README lists.
 .PHONY: bench-net
 bench-net: all
-	$(PY) -m ddpcomm.bench collectives --link 1gbit --iters 3 --json benchmarks/collectives_1gbit.json
-	$(PY) -m ddpcomm.bench train --link 1gbit --json benchmarks/train_1gbit.json --plot benchmarks/train_1gbit.png
+	$(PY) -m ddpcomm.bench collectives --link 1gbit --world 2 --sizes 64 --methods allreduce,q8,q4,q1,topk:0.01,randk:0.01 --iters 9 --out benchmarks/collectives_1gbit_2ranks.json > benchmarks/collectives_1gbit_2ranks.txt
+	$(PY) -m ddpcomm.bench collectives --link 1gbit --world 4 --sizes 64 --methods allreduce,torch-fp16,torch-qpt,q8 --iters 5 --out benchmarks/collectives_1gbit_4ranks.json > benchmarks/collectives_1gbit_4ranks.txt
+	$(PY) -m ddpcomm.bench collectives --link 10gbit --world 2 --sizes 16,64 --methods allreduce,torch-fp16,powersgd-r4,q8,q4,q1 --iters 5 --out benchmarks/collectives_10gbit_2ranks.json > benchmarks/collectives_10gbit_2ranks.txt
+	$(PY) -m ddpcomm.bench train --link 1gbit --methods nocomm,ddp,q8,q4 --out benchmarks/train_1gbit_2ranks.json --plot benchmarks/train_1gbit_2ranks.png > benchmarks/train_1gbit_2ranks.txt
+	$(PY) -m ddpcomm.bench train --link 1gbit --world 4 --steps 60 --methods nocomm,ddp,q8,q4 --out benchmarks/train_1gbit_4ranks.json --plot benchmarks/train_1gbit_4ranks.png > benchmarks/train_1gbit_4ranks.txt

@@ -1,312 +1,340 @@
-"""``python -m ddpcomm.bench collectives``: one gradient bucket reduced by each method.
+"""``python -m ddpcomm.bench collectives``: one gradient bucket reduced by each DDP hook.
 
-Every method is driven the way DDP drives it: ``hook(state, bucket)`` returns a Future
-of the mean. The bucket is a ``BenchBucket`` (see ``_worker_collectives``): an object
-with the GradBucket methods the hooks call, whose buffer is the message and whose
-per-parameter gradients are [rows, 1024] matrix views of it, the shape of a
-transformer's linear layers, so PowerSGD sees the matrices it would see in training.
-One bucket per message rather than a real DDP model: the message size is then exact,
-and the time is the reduction alone, not backward compute overlapped with it.
-
-Each row reports the median over ``--iters`` of the slowest rank's time, the bytes a
-rank sends (from the method's formula, as a ring schedule sends them), the bytes its
-interface really sent (with ``--link``: TCP/IP headers and barriers included), the
-relative error of rank 0's result against the exact fp32 mean, the speedup over plain
-all_reduce, and the ideal speedup from bytes alone (plain bytes / method bytes).
+Every method is driven the way DDP drives it, ``hook(state, bucket)`` returning a Future
+of the mean, on a ``_Bucket``: an object with the GradBucket methods hooks call, whose
+buffer is the message and whose gradients are [rows, 1024] views of it (the shape of a
+transformer's linear layers, so PowerSGD sees the matrices it sees in training). One
+bucket per call rather than a DDP model: the message size is exact, and the time is the
+reduction alone, not backward compute overlapped with it.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
-import os
+import statistics
 
-from ddpcomm.bench import _report
-from ddpcomm.bench._launch import progress, run_group
-from ddpcomm.bench._worker import under_torchrun
-from ddpcomm.bench.netns import open_links, parse_rate
+import torch
+import torch.distributed as dist
 
-TORCH_METHODS = [
-    "allreduce",
-    "torch-fp16",
-    "torch-qpt",
-    "powersgd-r1",
-    "powersgd-r4",
-    "bpowersgd-r1",
-    "bpowersgd-r4",
-]
-DDPCOMM_METHODS = ["q8", "q4", "q2", "q1", "topk:0.01", "randk:0.01"]
-METHODS = TORCH_METHODS + DDPCOMM_METHODS
-DESCRIPTIONS = {
-    "allreduce": "torch allreduce_hook (DDP's default: fp32 all_reduce, then / N)",
-    "torch-fp16": "torch fp16_compress_hook",
-    "torch-qpt": "torch quantization_pertensor_hook (uint8 per tensor, all_gather)",
-    "powersgd-r1": "torch powerSGD_hook, rank 1",
-    "powersgd-r4": "torch powerSGD_hook, rank 4",
-    "bpowersgd-r1": "torch batched_powerSGD_hook, rank 1",
-    "bpowersgd-r4": "torch batched_powerSGD_hook, rank 4",
-}
+from ddpcomm.bench import _methods, _ranks
+from ddpcomm.bench._util import environment, finish, machine_line, short, table, wall
+
+DESCRIPTION = """\
+Reduces one gradient bucket through each method's DDP hook (torch's allreduce_hook,
+fp16_compress_hook, quantization and PowerSGD hooks; ddpcomm's hooks) on spawned gloo
+ranks, for each message size and world size, and prints per method: the median time of
+the slowest rank, the bytes a rank sends (from the method's wire format) and, with
+--link, the bytes its interface really sent, the error against the exact mean, the
+speedup over plain all_reduce and the limit of that speedup from bytes alone.
+
+--link RATE gives each rank its own network namespace joined by links shaped to RATE
+with tc tbf (needs root; without it the run falls back to loopback and says so)."""
+
 COLS = 1024  # columns of every gradient matrix in the bucket
 MIB = 2**20
 
 
-def bucket_shapes(numel: int) -> list[tuple[int, ...]]:
-    """[1024, 1024] matrices (4 MiB each), then one [rows, 1024], then a 1-D tail."""
-    full, rest = divmod(numel, COLS * COLS)
-    shapes: list[tuple[int, ...]] = [(COLS, COLS)] * full
-    rows, tail = divmod(rest, COLS)
-    if rows:
-        shapes.append((rows, COLS))
-    if tail:
-        shapes.append((tail,))
-    return shapes
-
-
-def _ring(world: int, nbytes: float) -> float:
-    return 2 * (world - 1) / world * nbytes
-
-
-def formula_bytes(method: str, shapes: list[tuple[int, ...]], world: int) -> int:
-    """Bytes one rank sends for one bucket, from the method's wire format.
-
-    Used for every row, so a method that fails still shows what it would have sent.
-    """
-    numel = sum(math.prod(s) for s in shapes)
-    if method == "allreduce":
-        return round(_ring(world, 4 * numel))
-    if method == "torch-fp16":
-        return round(_ring(world, 2 * numel))
-    if method == "torch-qpt":
-        # all_gather of (scale, zero point) as 2 fp32, then of the uint8 tensor.
-        return (world - 1) * (8 + numel)
-    if method.startswith("powersgd-r"):
-        r = int(method.rsplit("r", 1)[1])
-        # torch's _should_compress: a matrix is compressed when (m + n) r * 2 < m n;
-        # the rest goes in one uncompressed all_reduce. P then Q are all_reduced.
-        elems = 0
-        for s in shapes:
-            m, n = (s[0], math.prod(s[1:])) if len(s) > 1 else (0, 0)
-            elems += (m + n) * r if len(s) > 1 and (m + n) * r * 2 < m * n else math.prod(s)
-        return round(_ring(world, 4 * elems))
-    if method.startswith("bpowersgd-r"):
-        r = int(method.rsplit("r", 1)[1])
-        side = math.ceil(math.sqrt(numel))  # the bucket, zero-padded to a square matrix
-        return round(_ring(world, 4 * 2 * side * r))
-    if method[0] == "q" and method[1:].isdigit():
-        return _ddpcomm_bytes(method, numel, world)
-    if method.startswith(("topk:", "randk:")):
-        try:
-            return _ddpcomm_bytes(method, numel, world)
-        except ValueError:
-            pass  # spec not in this build: the formula of DESIGN.md section 3
-        k = math.ceil(float(method.split(":")[1]) * numel)
-        if method.startswith("topk:"):
-            return min((world - 1) * k * 8, round(_ring(world, 4 * numel)))
-        return round(_ring(world, 4 * k))
-    raise ValueError(f"unknown method {method!r}")
-
-
-def _ddpcomm_bytes(spec: str, numel: int, world: int) -> int:
-    import ddpcomm
-
-    return ddpcomm.parse_compression(spec).wire_bytes(numel, world)
-
-
-def check_method(name: str) -> str:
-    if name in METHODS:
-        return name
-    raise argparse.ArgumentTypeError(
-        f"--methods: unknown method {name!r}; choose from {', '.join(METHODS)}"
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "collectives",
+        help="one gradient bucket through each DDP hook, every method, sizes x ranks",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument(
+        "--sizes",
+        type=_positive(float),
+        default=[1, 4, 16, 64, 256],
+        metavar="LIST",
+        help="message sizes in MiB (default 1,4,16,64,256)",
+    )
+    p.add_argument(
+        "--world",
+        type=_positive(int),
+        default=[2, 4],
+        metavar="LIST",
+        help="world sizes, each >= 2 (default 2,4)",
+    )
+    p.add_argument(
+        "--methods",
+        type=_methods.method_list(),
+        default=[*_methods.TORCH, *_methods.DDPCOMM],
+        metavar="LIST",
+        help=_methods.METHODS_HELP + " (default: all, topk and randk at 0.01)",
+    )
+    p.add_argument(
+        "--link", metavar="RATE", help="shape each rank's link to RATE (1gbit, 10gbit); needs root"
+    )
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=5,
+        help="timed calls per case; the median is reported (default 5)",
+    )
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls per case (default 1)")
+    p.add_argument(
+        "--timeout", type=float, help="seconds a case may take (default: from size and link rate)"
+    )
+    p.add_argument("--out", metavar="PATH", help="write the results as JSON to PATH")
+    p.add_argument(
+        "--quick", action="store_true", help="1 MiB, 2 ranks, 2 timed calls: checks that it runs"
+    )
+    p.set_defaults(func=run)
 
 
-def _positive_list(kind, arg: str):
+def _positive(kind):
     def parse(text: str):
         try:
             values = [kind(v) for v in text.split(",") if v.strip()]
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"{arg}: not a comma-separated list of {kind.__name__}: {text!r}"
+                f"not a comma-separated list of {kind.__name__}: {text!r}"
             ) from None
         if not values or any(v <= 0 for v in values):
-            raise argparse.ArgumentTypeError(f"{arg}: values must be > 0, got {text!r}")
+            raise argparse.ArgumentTypeError(f"values must be > 0, got {text!r}")
         return values
 
     return parse
 
 
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "collectives",
-        help="compressed all-reduce of one bucket, every method, sizes x world sizes",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--sizes",
-        type=_positive_list(float, "--sizes"),
-        default=[1, 4, 16, 64, 256],
-        help="message sizes in MiB (default 1,4,16,64,256)",
-    )
-    p.add_argument(
-        "--world",
-        type=_positive_list(int, "--world"),
-        default=[2, 4],
-        help="world sizes (default 2,4)",
-    )
-    p.add_argument(
-        "--methods",
-        type=lambda s: [check_method(m) for m in s.split(",")],
-        default=METHODS,
-        help=f"comma-separated subset of {','.join(METHODS)}",
-    )
-    p.add_argument(
-        "--link",
-        default=None,
-        metavar="RATE",
-        help="shape each rank's link to RATE (tc units: 1gbit, 10gbit); needs root",
-    )
-    p.add_argument("--iters", type=int, default=5, help="timed repetitions per case (median)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions per case")
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        help="seconds one case may take before it is failed (default: from size and link rate)",
-    )
-    p.add_argument("--json", default=None, metavar="PATH", help="write all rows as JSON")
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 MiB, 2 ranks, 2 iterations")
-    p.set_defaults(func=run)
-
-
-def _validate(args) -> None:
-    if args.iters < 1:
-        raise SystemExit(f"--iters must be >= 1, got {args.iters}")
-    if args.timeout is not None and not args.timeout > 0:
-        raise SystemExit(f"--timeout must be > 0 seconds, got {args.timeout}")
-    if args.warmup < 0:
-        raise SystemExit(f"--warmup must be >= 0, got {args.warmup}")
-    if any(w < 2 for w in args.world):
-        raise SystemExit(f"--world: every world size must be >= 2, got {args.world}")
-    if args.link is not None:
-        try:
-            parse_rate(args.link)
-        except ValueError as exc:
-            raise SystemExit(str(exc)) from None
+def bucket_shapes(numel: int) -> list[tuple[int, ...]]:
+    """[1024, 1024] matrices (4 MiB each), then one [rows, 1024], then a 1-D tail."""
+    full, rest = divmod(numel, COLS * COLS)
+    rows, tail = divmod(rest, COLS)
+    return [(COLS, COLS)] * full + [(rows, COLS)] * (rows > 0) + [(tail,)] * (tail > 0)
 
 
 def run(args) -> int:
     if args.quick:
         args.sizes, args.world, args.iters, args.warmup = [1], [2], 2, 1
-    _validate(args)
-    if under_torchrun():
-        if args.link is not None:
-            raise SystemExit(
-                "--link cannot be used under torchrun: torchrun's ranks already "
-                "run on the network they were launched on"
-            )
-        from ddpcomm.bench._worker_collectives import run_under_torchrun
+    if args.iters < 1 or args.warmup < 0:
+        raise SystemExit(f"--iters must be >= 1 and --warmup >= 0, got {args.iters}, {args.warmup}")
+    if any(w < 2 for w in args.world):
+        raise SystemExit(f"--world: every world size must be >= 2, got {args.world}")
+    if args.timeout is not None and not args.timeout > 0:
+        raise SystemExit(f"--timeout must be > 0 seconds, got {args.timeout}")
+    rate = _ranks.link_rate(args.link)
+    env = environment()
+    worlds = [_ranks.world_size(0)] if _ranks.under_torchrun() else args.world
+    rows = []
+    for world in worlds:
+        cases = _cases(args, world)
 
-        return run_under_torchrun(args)
-    rows, env = [], _report.environment()
-    env["link_checks"] = []
-    for world in args.world:
-        links, note = open_links(world, args.link)
-        rate = parse_rate(args.link) / 8 if links is not None else None
-        with links if links is not None else contextlib.nullcontext():
-            env["link"] = links.describe() if links is not None else note
-            env.setdefault("links", {})[world] = env["link"]
-            progress(f"world {world}: {env['link']}")
-            rows += sweep(args, world, links, rate, env)
-    # JSON first: the measurements survive even if printing fails.
-    if args.json:
-        _report.write_json(args.json, {"command": "collectives", "environment": env, "rows": rows})
-    _report.print_collectives(rows, env)
+        def timeout(case) -> float:
+            # 10x a plain all_reduce's wire time per call (100 MB/s on loopback), + slack.
+            calls = case["iters"] + case["warmup"] + 3
+            return args.timeout or 60 + 10 * calls * 8 * case["row"]["numel"] / (rate or 100e6)
+
+        common = {"link_check_mb": 8 if args.quick else 64}
+        out = _ranks.run_cases(
+            "ddpcomm.bench.collectives:run_case",
+            cases,
+            world,
+            env,
+            link=args.link,
+            common=common,
+            timeout=timeout,
+        )
+        if out is None:  # a torchrun rank other than 0
+            return 0
+        rows += out
+    result = {"command": "collectives", "environment": env, "rows": rows}
+    finish(result, report, args.out)
     return 0
 
 
-def build_cases(args, world: int) -> list[dict]:
-    """One case per (message size, method) for ``world`` ranks."""
+def _cases(args, world: int) -> list[dict]:
     cases = []
     for size in args.sizes:
         numel = int(size * MIB) // 4
         shapes = bucket_shapes(numel)
         for method in args.methods:
+            row = {
+                "method": method,
+                "world": world,
+                "size_mib": size,
+                "numel": numel,
+                "formula_bytes": _methods.formula_bytes(method, shapes, world),
+            }
+            label = f"{world} ranks, {size:g} MiB, {method}"
             cases.append(
                 {
-                    "method": method,
-                    "world": world,
-                    "size_mib": size,
-                    "numel": numel,
+                    "label": label,
+                    "row": row,
                     "shapes": shapes,
                     "iters": args.iters,
                     "warmup": args.warmup,
-                    "formula_bytes": formula_bytes(method, shapes, world),
-                    "label": f"world {world}  {size:g} MiB  {method}",
                 }
             )
     return cases
 
 
-def sweep(args, world: int, links, rate_Bps: float | None, env: dict) -> list[dict]:
-    """All cases of one world size, restarting the group after each failed case."""
-    cases = build_cases(args, world)
+class _Bucket:
+    """The GradBucket methods torch's and ddpcomm's hooks call, over one flat buffer.
+    ``parameters()`` are placeholders with the gradients' count: hooks use them only as
+    identities (ddpcomm keys its per-model state on them)."""
 
-    # Assume 100 MB/s on loopback for the limit: generous for CPU gloo on a loaded machine.
-    speed = rate_Bps or 100e6
+    def __init__(self, buffer: torch.Tensor, shapes: list[tuple[int, ...]]):
+        self._buffer, self._grads, offset = buffer, [], 0
+        for shape in shapes:
+            self._grads.append(buffer[offset : offset + math.prod(shape)].view(shape))
+            offset += math.prod(shape)
+        self._params = [torch.nn.Parameter(torch.empty(0)) for _ in shapes]
 
-    def case_timeout(case) -> float:
-        if args.timeout:
-            return args.timeout
-        plain = _ring(world, case["numel"] * 4)
-        return 60 + 10 * (case["iters"] + case["warmup"] + 3) * plain / speed
+    def index(self) -> int:
+        return 0
 
-    threads = max(1, (os.cpu_count() or 1) // world)
-    common = {
-        "pg_timeout": max(case_timeout(c) for c in cases),
-        "threads": threads,
-        "ifname": links.ifname if links is not None else None,
-        "link_check_mb": (8 if args.quick else 64) if links is not None else 0,
-    }
-    rows, failed_methods = [], {}
-    while cases:
-        outcome = run_group(
-            "ddpcomm.bench._worker_collectives", world, links, cases, common, case_timeout, threads
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._grads
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+    def is_last(self) -> bool:
+        return True  # one bucket per step: every call ends an iteration (PowerSGD counts them)
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer.copy_(tensor)
+
+
+def make_grad(shapes, rank: int, seed: int, device) -> torch.Tensor:
+    """Rank ``rank``'s gradient: per-matrix scale x (shared low-rank signal + rank noise).
+
+    Real gradients differ by orders of magnitude between layers, agree partly across
+    ranks (same loss, different minibatches), and a linear layer's gradient (a sum of
+    per-token outer products) has a fast-decaying spectrum. The signal here is a sum of 8
+    rank-1 terms weighted 1, 1/2, 1/4, ...; each rank adds noise of relative size 0.3.
+    PowerSGD and the sparsifiers see the structure they exploit in training, not white
+    noise that no compressor can shrink.
+    """
+    parts = []
+    for i, shape in enumerate(shapes):
+        g_shared = torch.Generator().manual_seed(seed * 1_000_003 + i)
+        g_rank = torch.Generator().manual_seed((seed * 1_000_003 + i) * 131 + rank + 1)
+        scale = 10 ** (-2 * torch.rand((), generator=g_shared).item())
+        if len(shape) == 2:
+            weights = 0.5 ** torch.arange(8.0)
+            u = torch.randn(shape[0], 8, generator=g_shared) * weights
+            t = (u @ torch.randn(8, shape[1], generator=g_shared)) / weights.norm()
+        else:
+            t = torch.randn(shape, generator=g_shared)
+        parts.append(
+            t.add_(torch.randn(shape, generator=g_rank), alpha=0.3).mul_(scale).reshape(-1)
         )
-        common["link_check_mb"] = 0  # once per world size is enough
-        env["link_checks"] += [dict(i, world=world) for i in outcome.info]
-        rows += outcome.results
-        if outcome.teardown_error:
-            env.setdefault("warnings", []).append(
-                f"world {world}: a rank failed after its last case: {outcome.teardown_error}"
-            )
-        done = len(outcome.results)
-        if outcome.failure is None:
-            break
-        fail = outcome.failure
-        rows.append(_failed_row(fail.case, fail.reason))
-        failed_methods[fail.case["method"]] = (fail.case["size_mib"], fail.reason)
-        # A method that failed is not retried at larger sizes: its failure (an exception
-        # in torch's hook, a hang) does not depend on size, and each retry costs a group.
-        rest = cases[done + 1 :]
-        cases = []
-        for c in rest:
-            if c["method"] in failed_methods:
-                at, reason = failed_methods[c["method"]]
-                rows.append(_failed_row(c, f"failed at {at:g} MiB: {reason}", "not run"))
-            else:
-                cases.append(c)
-    return rows
+    return torch.cat(parts).to(device)
 
 
-def _failed_row(case: dict, reason: str, status: str = "failed") -> dict:
-    return {
-        "method": case["method"],
-        "world": case["world"],
-        "size_mib": case["size_mib"],
-        "numel": case["numel"],
-        "status": status,
-        "reason": reason,
-        "formula_bytes": case["formula_bytes"],
+_exact: dict = {}  # rank 0's exact mean of the current size (up to 256 MiB: one at a time)
+
+
+def run_case(case: dict, common: dict, device: torch.device) -> dict:
+    """One method at one size on every rank: warm-up calls, then timed calls."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shapes, seed, result = [tuple(s) for s in case["shapes"]], 1234, dict(case["row"])
+    hook, state, activation = _methods.make_hook(result["method"], dist.group.WORLD)
+    grad = make_grad(shapes, rank, seed, device)
+    bucket = _Bucket(grad.clone(), shapes)
+    stats = getattr(state, "stats", None)
+    times, out = [], None
+    for i in range(activation + case["warmup"] + case["iters"]):
+        if i == activation + case["warmup"]:  # counters start at the first timed call
+            tx0, st0 = _ranks.tx_bytes(common.get("ifname")), stats and stats()
+        bucket.buffer().copy_(grad)  # hooks write the mean into the bucket in place
+        dist.barrier()
+        value, seconds = wall(lambda: hook(state, bucket).wait(), device)
+        out = value[0] if isinstance(value, (list, tuple)) else value
+        times.append(seconds)
+    dist.barrier()  # every rank's last send has left before the counters are read
+    tx1 = _ranks.tx_bytes(common.get("ifname"))
+    # The slowest rank's time per call is the collective's time.
+    every = [None] * world
+    dist.all_gather_object(every, times[-case["iters"] :])
+    per_call = [max(ts[i] for ts in every) for i in range(case["iters"])]
+    result.update(median_s=statistics.median(per_call), times_s=per_call)
+    if tx1 is not None:
+        result["wire_bytes"] = (tx1 - tx0) / case["iters"]
+    if stats:  # ddpcomm's own accounting, per call
+        st1 = stats()
+        result["measured_bytes"] = (st1["bytes_sent"] - st0["bytes_sent"]) / case["iters"]
+        result["compress_s"] = (st1["compress_seconds"] - st0["compress_seconds"]) / case["iters"]
+    # Every rank must hold the same result: compare checksums.
+    probe = torch.stack([out.double().sum(), out.double().square().sum()])
+    probes = [torch.empty_like(probe) for _ in range(world)]
+    dist.all_gather(probes, probe)
+    result["ranks_identical"] = all(torch.equal(p, probes[0]) for p in probes)
+    if rank == 0:
+        key = (tuple(shapes), world)
+        if key not in _exact:
+            _exact.clear()
+            _exact[key] = sum(make_grad(shapes, r, seed, device) for r in range(world)) / world
+        exact = _exact[key]
+        result["rel_error"] = (out.float().reshape(-1) - exact).norm().item() / max(
+            exact.norm().item(), 1e-30
+        )
+    result["status"] = "ok"
+    return result
+
+
+def report(result: dict, markdown: bool = False) -> str:
+    """The table of a collectives result (as printed after a run)."""
+    env, rows = result["environment"], result["rows"]
+    lines = [f"machine: {machine_line(env)}"]
+    lines += [f"link, {w} ranks: {link}" for w, link in env.get("links", {}).items()]
+    lines += [
+        f"link check, {c['world']} ranks: {c['link_check_MiB']} MiB from rank 0 to 1 at "
+        f"{c['link_check_MBps']:.1f} MB/s"
+        for c in env.get("link_checks", [])
+    ]
+    order = {m: i for i, m in enumerate([*_methods.TORCH, *_methods.DDPCOMM])}
+    rows = sorted(
+        rows, key=lambda r: (r["world"], r["size_mib"], order.get(r["method"], len(order)))
+    )
+    plain = {
+        (r["world"], r["size_mib"]): r
+        for r in rows
+        if r["method"] == "allreduce" and r["status"] == "ok"
     }
+    headers = [
+        "method",
+        "ranks",
+        "MiB",
+        "ms",
+        "compress ms",
+        "MB sent/rank",
+        "MB on wire/rank",
+        "error vs exact mean",
+        "speedup vs allreduce",
+        "limit from bytes",
+        "status",
+    ]
+    body = []
+    for r in rows:
+        ok, base = r["status"] == "ok", plain.get((r["world"], r["size_mib"]))
+        plain_bytes = _methods.formula_bytes("allreduce", [(r["numel"],)], r["world"])
+        status = "ok" if r.get("ranks_identical", True) else "ok, but ranks differ"
+        body.append(
+            [
+                r["method"],
+                str(r["world"]),
+                f"{r['size_mib']:g}",
+                f"{r['median_s'] * 1e3:.1f}" if ok else "-",
+                f"{r['compress_s'] * 1e3:.1f}" if "compress_s" in r else "-",
+                _mb(r["formula_bytes"]),
+                _mb(r["wire_bytes"]) if "wire_bytes" in r else "-",
+                f"{r['rel_error']:.1e}" if "rel_error" in r else "-",
+                f"{base['median_s'] / r['median_s']:.2f}x" if ok and base else "-",
+                f"{plain_bytes / r['formula_bytes']:.1f}x" if r["formula_bytes"] else "-",
+                status if ok else f"{r['status']}: {short(r.get('reason', ''))}",
+            ]
+        )
+    lines += ["", table(headers, body, markdown)]
+    lines += [f"warning: {w}" for w in env.get("warnings", [])]
+    return "\n".join(lines)
+
+
+def _mb(b: float) -> str:
+    return f"{b / 1e6:.3f}" if b < 1e6 else f"{b / 1e6:.1f}"

@@ -163,74 +163,37 @@ class Links:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _ip(self, ns: str, command: str) -> None:
+        """``ip -n ns <command>`` (``ns`` may be empty: the caller's namespace)."""
+        _run("ip", *(["-n", ns] if ns else []), *command.split())
+
     def _netns_add(self, name: str) -> None:
-        _run("ip", "netns", "add", name)
+        self._ip("", f"netns add {name}")
         self._created.append(name)
-        _run("ip", "-n", name, "link", "set", "lo", "up")
+        self._ip(name, "link set lo up")
 
     def _shape(self, ns: str, dev: str) -> None:
-        _run(
-            "ip",
-            "netns",
-            "exec",
-            ns,
-            "tc",
-            "qdisc",
-            "replace",
-            "dev",
-            dev,
-            "root",
-            "tbf",
-            *self.tbf_args(),
-        )
+        tbf = " ".join(self.tbf_args())
+        self._ip("", f"netns exec {ns} tc qdisc replace dev {dev} root tbf {tbf}")
 
     def _create(self) -> None:
         for ns in self.namespaces:
             self._netns_add(ns)
         if self.hub is None:
             a, b = self.namespaces
-            _run(
-                "ip",
-                "-n",
-                a,
-                "link",
-                "add",
-                IFNAME,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                IFNAME,
-                "netns",
-                b,
-            )
+            self._ip(a, f"link add {IFNAME} type veth peer name {IFNAME} netns {b}")
         else:
             self._netns_add(self.hub)
-            _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
-            _run("ip", "-n", self.hub, "link", "set", "br0", "up")
+            self._ip(self.hub, "link add br0 type bridge")
+            self._ip(self.hub, "link set br0 up")
             for i, ns in enumerate(self.namespaces):
-                port = f"p{i}"
-                _run(
-                    "ip",
-                    "-n",
-                    ns,
-                    "link",
-                    "add",
-                    IFNAME,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    port,
-                    "netns",
-                    self.hub,
-                )
-                _run("ip", "-n", self.hub, "link", "set", port, "master", "br0")
-                _run("ip", "-n", self.hub, "link", "set", port, "up")
-                self._shape(self.hub, port)
+                self._ip(ns, f"link add {IFNAME} type veth peer name p{i} netns {self.hub}")
+                self._ip(self.hub, f"link set p{i} master br0")
+                self._ip(self.hub, f"link set p{i} up")
+                self._shape(self.hub, f"p{i}")
         for i, ns in enumerate(self.namespaces):
-            _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", IFNAME)
-            _run("ip", "-n", ns, "link", "set", IFNAME, "up")
+            self._ip(ns, f"addr add {self.address(i)}/24 dev {IFNAME}")
+            self._ip(ns, f"link set {IFNAME} up")
             self._shape(ns, IFNAME)
 
     def close(self) -> None:

@@ -1,346 +1,348 @@
 """``python -m ddpcomm.bench train``: end-to-end DDP training of a small GPT per method.
 
-Each method trains the same model from the same initial weights on the same batches
-(a synthetic second-order Markov language generated in-process, see ``_gpt.py``) for a
-fixed number of steps. Reported per method: median step time (forward + backward +
-optimizer, slowest rank, after ``--warmup-steps``), bytes a rank sends per step (ddpcomm's
-own count, torch's hooks by their formula, DDP's default by the ring formula), bytes its
-interface really sent (with ``--link``), ddpcomm's compression time per step, and the
-loss curve. ``nocomm`` trains without any gradient exchange: its step time is the
-compute floor, what a method's step time would be with an infinitely fast network.
-
-The per-rank batch is small on purpose (default 2 x 64 tokens): this 2-core machine
-computes slowly, and the benchmark is about the regime where the network, not compute,
-limits the step, as it does for large models on 1-10 Gbit/s links.
+Every method trains the same model from the same initial weights on the same batches (a
+pure function of step and rank, from the synthetic language of ``_gpt.py``), so results
+differ only by what the method did to the gradients. The per-rank batch is small on
+purpose: the benchmark is about the regime where the network, not compute, limits the
+step, as it does for large models on 1-10 Gbit/s links.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
+import math
 import os
 import statistics
+import time
 
-from ddpcomm.bench import _report
-from ddpcomm.bench._gpt import GPTConfig, describe
-from ddpcomm.bench._launch import progress, run_group
-from ddpcomm.bench._worker import under_torchrun
-from ddpcomm.bench.collectives import DDPCOMM_METHODS
-from ddpcomm.bench.netns import open_links, parse_rate
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-METHODS = ["nocomm", "ddp", "torch-fp16", "powersgd-r4", *DDPCOMM_METHODS]
-DEFAULT_METHODS = [
-    "nocomm",
-    "ddp",
-    "torch-fp16",
-    "powersgd-r4",
-    "q8",
-    "q4",
-    "q1",
-    "topk:0.01",
-    "randk:0.01",
-]
-LAST = 10  # the "final loss" is the mean of the last LAST steps: one step's loss is noisy
+from ddpcomm.bench import _methods, _ranks
+from ddpcomm.bench._gpt import GPT, GPTConfig, Language, describe, num_params
+from ddpcomm.bench._util import environment, finish, machine_line, progress, short, table, wall
 
+DESCRIPTION = """\
+Trains the same small GPT from the same initial weights on the same batches with each
+method, on spawned gloo ranks, and prints per method: the bytes a rank sends per step
+and their share of DDP's default, the median step time of the slowest rank and the
+speedup over DDP's default, the held-out loss after training and the largest parameter
+difference from DDP's default. 'nocomm' trains without any gradient exchange: its step
+time is the compute floor. The data is a synthetic language made in-process.
 
-def _methods(text: str) -> list[str]:
-    names = [m for m in text.split(",") if m]
-    for m in names:
-        if m not in METHODS:
-            raise argparse.ArgumentTypeError(
-                f"--methods: unknown method {m!r}; choose from {', '.join(METHODS)}"
-            )
-    if not names:
-        raise argparse.ArgumentTypeError("--methods: give at least one method")
-    return names
+--link RATE shapes the links between ranks as for 'collectives' (needs root)."""
+
+OWN = ("nocomm", "ddp")  # no hook: no gradient exchange, and DDP's built-in all_reduce
+DEFAULT_METHODS = ["nocomm", "ddp", "torch-fp16", "powersgd-r4", *_methods.DDPCOMM]
+DEFAULT_METHODS.remove("q2")
 
 
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(
+def add_parser(sub) -> None:
+    p = sub.add_parser(
         "train",
-        help="end-to-end DDP training of a small GPT per "
-        "method: step time, bytes, loss curves, plot",
-        description=__doc__,
+        help="end-to-end DDP training of a small GPT per method: step time, bytes, loss",
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_arguments(p)
+    p.add_argument(
+        "--quick", action="store_true", help="a tiny model for 12 steps: checks that it runs"
+    )
+    p.set_defaults(func=run)
+
+
+def add_arguments(p) -> None:
     p.add_argument(
         "--methods",
-        type=_methods,
+        type=_methods.method_list(OWN),
         default=DEFAULT_METHODS,
-        help=f"comma-separated subset of {','.join(METHODS)}",
+        metavar="LIST",
+        help=f"nocomm (no gradient exchange), ddp (DDP's default), and {_methods.METHODS_HELP}"
+        f" (default {','.join(DEFAULT_METHODS)}); ddp runs first",
     )
     p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
-    p.add_argument("--steps", type=int, default=100, help="training steps per method")
+    p.add_argument("--steps", type=int, default=100, help="training steps per method (default 100)")
     p.add_argument(
         "--warmup-steps",
         type=int,
         default=5,
-        help="steps left out of step time and bytes (DDP rebuilds buckets)",
+        help="first steps left out of step time and bytes (default 5)",
     )
-    p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank per step (default 2)")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
     p.add_argument(
         "--eval-batch",
         type=int,
         default=32,
-        help="sequences in the fixed held-out batch scored after training",
+        help="sequences in the held-out batch scored after training (default 32)",
     )
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--d-model", type=int, default=512, help="model width (default 512)")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
+    p.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
+    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default 4096)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
     p.add_argument(
-        "--link",
-        default=None,
-        metavar="RATE",
-        help="shape each rank's link to RATE (tc units: 1gbit, 10gbit); needs root",
+        "--link", metavar="RATE", help="shape each rank's link to RATE (1gbit, 10gbit); needs root"
     )
     p.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        help="seconds without progress before a method is failed "
-        "(default: from model size and link rate)",
+        "--timeout", type=float, help="seconds without progress before a method is failed"
     )
-    p.add_argument("--json", default=None, metavar="PATH", help="write all results as JSON")
     p.add_argument(
-        "--plot",
-        default="ddpcomm-train.png",
-        metavar="PATH",
-        help="PNG of loss vs step and step time per method "
-        "(default ddpcomm-train.png; '' for none)",
+        "--out", metavar="PATH", help="write the results (with loss curves) as JSON to PATH"
     )
-    p.add_argument("--quick", action="store_true", help="smoke run: a tiny model for 12 steps")
-    p.set_defaults(func=run)
+    p.add_argument(
+        "--plot", metavar="PATH", help="write a PNG of loss vs step and step time to PATH"
+    )
 
 
-def _validate(args) -> GPTConfig:
+def _config(args) -> GPTConfig:
     for name in ("world", "steps", "batch", "seq", "eval_batch"):
-        value = getattr(args, name)
-        if value < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.world < 2:
-        raise SystemExit(f"--world must be >= 2 (DDP needs peers to talk to), got {args.world}")
+        raise SystemExit(f"--world must be >= 2 (DDP needs peers), got {args.world}")
     if not 0 <= args.warmup_steps < args.steps:
         raise SystemExit(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps}")
-    if args.timeout is not None and not args.timeout > 0:
-        raise SystemExit(f"--timeout must be > 0 seconds, got {args.timeout}")
-    if not args.lr > 0:
-        raise SystemExit(f"--lr must be > 0, got {args.lr}")
-    if args.link is not None:
-        try:
-            parse_rate(args.link)
-        except ValueError as exc:
-            raise SystemExit(str(exc)) from None
+    if not args.lr > 0 or (args.timeout is not None and not args.timeout > 0):
+        raise SystemExit(f"--lr and --timeout must be > 0, got {args.lr}, {args.timeout}")
     try:
-        return GPTConfig(
-            vocab=args.vocab,
-            seq=args.seq,
-            d_model=args.d_model,
-            layers=args.layers,
-            heads=args.heads,
-        )
+        return GPTConfig(args.vocab, args.seq, args.d_model, args.layers, args.heads)
     except ValueError as exc:
         raise SystemExit(f"model: {exc}") from None
 
 
-def run(args) -> int:
-    if args.quick:
-        args.steps, args.warmup_steps, args.batch, args.seq = 12, 2, 2, 32
-        args.eval_batch = 4
+def run(args, command: str = "train") -> int:
+    if getattr(args, "quick", False):  # demo presets its own model
+        args.steps, args.warmup_steps, args.batch, args.seq, args.eval_batch = 12, 2, 2, 32, 4
         args.d_model, args.layers, args.heads, args.vocab = 64, 2, 2, 256
-    cfg = _validate(args)
-    env = _report.environment()
-    env["model"] = describe(cfg)
+    cfg = _config(args)
+    rate = _ranks.link_rate(args.link)
+    methods = sorted(args.methods, key=lambda m: m != "ddp")  # the others compare with it
+    env = dict(environment(), model=describe(cfg))
+    progress(env["model"])
+    grad_bytes = 4 * num_params(GPT(cfg))
+    world = _ranks.world_size(args.world)
+    settings = {
+        k: getattr(args, k) for k in ("steps", "warmup_steps", "batch", "eval_batch", "lr", "seed")
+    }
     cases = [
         {
-            "method": m,
+            "label": f"{m}: {args.steps} steps",
+            "row": {"method": m, "world": world},
             "model": cfg.__dict__,
-            "steps": args.steps,
-            "lr": args.lr,
-            "warmup_steps": args.warmup_steps,
-            "batch": args.batch,
-            "eval_batch": args.eval_batch,
-            "seed": args.seed,
-            "label": f"train {m}: {args.steps} steps",
+            **settings,
         }
-        for m in args.methods
+        for m in methods
     ]
-    if under_torchrun():
-        return _run_under_torchrun(args, cases, env)
-    progress(env["model"])
-    links, note = open_links(args.world, args.link)
-    rate = parse_rate(args.link) / 8 if links is not None else None
-    grad_bytes = 4 * _param_count(cfg)
-    speed = rate or 100e6
 
-    def case_timeout(case) -> float:
-        # Between heartbeats (every 5 s, or every step when steps are slower): 20x a
-        # plain all_reduce of the gradients, plus slack for a loaded machine.
-        if args.timeout:
-            return args.timeout
-        return 120 + 20 * 2 * grad_bytes / speed
+    def timeout(case) -> float:
+        # Between heartbeats (every 5 s, or every step): 20x a plain all_reduce of the
+        # gradients, plus slack for a loaded machine.
+        return args.timeout or 120 + 20 * 2 * grad_bytes / (rate or 100e6)
 
-    rows = []
-    with links if links is not None else contextlib.nullcontext():
-        env["link"] = links.describe() if links is not None else note
-        env["link_short"] = args.link if links is not None else "loopback"
-        env["world"] = args.world
-        progress(f"world {args.world}: {env['link']}")
-        threads = max(1, (os.cpu_count() or 1) // args.world)
-        common = {
-            "pg_timeout": case_timeout(None) + 60,
-            "threads": threads,
-            "ifname": links.ifname if links is not None else None,
-            "link_check_mb": (8 if args.quick else 64) if links is not None else 0,
-        }
-        env["link_checks"] = []
-        while cases:
-            outcome = run_group(
-                "ddpcomm.bench._worker_train",
-                args.world,
-                links,
-                cases,
-                common,
-                case_timeout,
-                threads,
-            )
-            common["link_check_mb"] = 0
-            env["link_checks"] += [dict(i, world=args.world) for i in outcome.info]
-            rows += outcome.results
-            if outcome.teardown_error:
-                env.setdefault("warnings", []).append(
-                    f"a rank failed after its last case: {outcome.teardown_error}"
-                )
-            if outcome.failure is None:
-                break
-            f = outcome.failure
-            rows.append(
-                {
-                    "method": f.case["method"],
-                    "world": args.world,
-                    "status": "failed",
-                    "reason": f.reason,
-                }
-            )
-            cases = cases[len(outcome.results) + 1 :]
-    _report_all(args, rows, env)
-    return 0
-
-
-def _report_all(args, rows: list[dict], env: dict) -> None:
-    # JSON first: the measurements survive even if printing or plotting fails.
-    if args.json:
-        args_out = {k: v for k, v in vars(args).items() if k != "func"}
-        _report.write_json(
-            args.json, {"command": "train", "environment": env, "args": args_out, "rows": rows}
-        )
-    print_train(rows, env)
+    common = {"link_check_mb": 8 if getattr(args, "quick", False) else 64}
+    rows = _ranks.run_cases(
+        "ddpcomm.bench.train:run_case",
+        cases,
+        world,
+        env,
+        link=args.link,
+        common=common,
+        timeout=timeout,
+    )
+    if rows is None:  # a torchrun rank other than 0
+        return 0
+    env["world"] = world
+    result = {"command": command, "environment": env, "args": _args(args), "rows": rows}
+    finish(result, report, args.out)
     if args.plot:
-        plot(rows, env, args.plot)
+        plot(result, args.plot)
         progress(f"plot written to {args.plot}")
-
-
-def _run_under_torchrun(args, cases: list[dict], env: dict) -> int:
-    """``train`` under torchrun: every rank trains in-process (NCCL on GPUs)."""
-    import torch.distributed as dist
-
-    from ddpcomm.bench._worker import run_inline
-    from ddpcomm.bench._worker_train import run_case
-
-    if args.link is not None:
-        raise SystemExit(
-            "--link cannot be used under torchrun: torchrun's ranks already "
-            "run on the network they were launched on"
-        )
-    rank, world, rows = run_inline(cases, {"pg_timeout": args.timeout or 600}, run_case)
-    if rank == 0:
-        env.update(
-            link=f"torchrun, {dist.get_backend()}, {world} ranks",
-            link_short="torchrun",
-            world=world,
-        )
-        _report_all(args, rows, env)
-    dist.destroy_process_group()
     return 0
 
 
-def _param_count(cfg: GPTConfig) -> int:
-    from ddpcomm.bench._gpt import GPT, num_params
-
-    return num_params(GPT(cfg))
+def _args(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k != "func"}
 
 
-def final_loss(row: dict) -> float:
-    return statistics.fmean(row["loss"][-LAST:])
+def _counting(hook, method: str, world: int, counter: list):
+    """torch's hook, adding each bucket's formula bytes to ``counter[0]`` (torch's hooks
+    count nothing). functools.wraps keeps the annotations DDP checks at registration."""
 
-
-def print_train(rows: list[dict], env: dict) -> None:
-    print(f"{env['model']}")
-    print(f"link: {env['link']}   cpus: {env['host_cpus']}   load: {env['loadavg_1_5_15']}")
-    for c in env.get("link_checks", []):
-        print(
-            f"link check: {c['link_check_MiB']} MiB rank 0 -> 1 at {c['link_check_MBps']:.1f} MB/s"
+    @functools.wraps(hook)
+    def wrapper(state, bucket):
+        counter[0] += _methods.formula_bytes(
+            method, [tuple(g.shape) for g in bucket.gradients()], world
         )
-    base = next((r for r in rows if r["method"] == "ddp" and r.get("status") == "ok"), None)
+        return hook(state, bucket)
+
+    return wrapper
+
+
+def run_case(case: dict, common: dict, device: torch.device) -> dict:
+    """Trains the model once with one method on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    method, steps, warm = case["row"]["method"], case["steps"], case["warmup_steps"]
+    cfg = GPTConfig(**case["model"])
+    torch.manual_seed(case["seed"])  # the same initial weights on every rank and method
+    model = GPT(cfg).to(device)
+    counter, state = [0], None
+    net = model  # nocomm: each rank trains its own copy
+    if method != "nocomm":
+        net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if method not in OWN:
+        hook, state, _ = _methods.make_hook(method, dist.group.WORLD)
+        if not hasattr(state, "stats"):
+            hook = _counting(hook, method, world, counter)
+        net.register_comm_hook(state, hook)
+    opt = torch.optim.AdamW(model.parameters(), lr=case["lr"], betas=(0.9, 0.95), weight_decay=0.0)
+    # Linear warm-up over 10 steps: Adam's first steps on a fresh transformer are large
+    # enough to swamp any difference between methods.
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    lang = Language(cfg.vocab, seed=case["seed"])
+
+    def step(x, y) -> float:
+        loss = net(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        return loss.item()
+
+    losses, times, last_note = [], [], time.perf_counter()
+    for i in range(steps):
+        if i == warm:  # counters cover the timed steps (DDP rebuilds its buckets at step 1)
+            tx0, sent0 = _ranks.tx_bytes(common.get("ifname")), counter[0]
+            if hasattr(state, "reset_stats"):
+                state.reset_stats()
+        x, y = lang.batch(case["batch"], cfg.seq, seed=(i * 1000 + rank) * 7919 + 17)
+        loss, seconds = wall(lambda x=x, y=y: step(x.to(device), y.to(device)), device)
+        losses.append(loss)
+        times.append(seconds)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {i}")
+        if time.perf_counter() - last_note > 5 or i + 1 == steps:  # progress + heartbeat
+            last_note = time.perf_counter()
+            _ranks.note(
+                f"  {method}: step {i + 1}/{steps}, loss {loss:.3f}, {seconds * 1e3:.0f} ms"
+            )
+    dist.barrier()
+    tx1 = _ranks.tx_bytes(common.get("ifname"))
+    # Held-out loss on one fixed batch, the same for every method and rank.
+    ex, ey = lang.batch(case["eval_batch"], cfg.seq, seed=999_999_937)
+    with torch.no_grad():
+        eval_loss = model(ex.to(device), ey.to(device)).item()
+    # Loss curve: mean over ranks per step. Step time: the slowest rank's.
+    every = [None] * world
+    dist.all_gather_object(every, (losses, times, eval_loss))
+    timed, measured = [max(g[1][i] for g in every) for i in range(steps)], steps - warm
+    result = dict(
+        case["row"],
+        status="ok",
+        loss=[statistics.fmean(g[0][i] for g in every) for i in range(steps)],
+        step_times_s=timed,
+        median_step_s=statistics.median(timed[warm:]),
+        params=num_params(model),
+        eval_loss=statistics.fmean(g[2] for g in every),
+        bytes_per_step=(counter[0] - sent0) / measured,
+    )
+    if tx1 is not None:
+        result["wire_bytes_per_step"] = (tx1 - tx0) / measured
+    if hasattr(state, "stats"):
+        st = state.stats()
+        result.update(bytes_per_step=st["bytes_sent"] / measured, paths=st["paths"])
+        result["compress_s_per_step"] = st["compress_seconds"] / measured
+    elif method == "ddp":
+        result["bytes_per_step"] = _methods.formula_bytes("ddp", [(result["params"],)], world)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+    if method != "nocomm":  # replicas must stay identical under every DDP method
+        probe = torch.stack([flat.double().sum(), flat.double().square().sum()]).to(device)
+        probes = [torch.empty_like(probe) for _ in range(world)]
+        dist.all_gather(probes, probe)
+        result["replicas_identical"] = all(torch.equal(p, probes[0]) for p in probes)
+        baseline = os.path.join(common["workdir"], f"ddp_params_rank{rank}.pt")
+        if method == "ddp":
+            torch.save(flat, baseline)
+        elif os.path.exists(baseline):
+            result["max_param_diff"] = (flat - torch.load(baseline)).abs().max().item()
+    return result
+
+
+def report(result: dict, markdown: bool = False) -> str:
+    """The table of a train (or demo) result, as printed after a run."""
+    env, rows = result["environment"], result["rows"]
+    lines = [env["model"], f"link: {env['link']}", f"machine: {machine_line(env)}"]
+    lines += [
+        f"link check: {c['link_check_MiB']} MiB from rank 0 to 1 at {c['link_check_MBps']:.1f} MB/s"
+        for c in env.get("link_checks", [])
+    ]
+    base = next((r for r in rows if r["method"] == "ddp" and r["status"] == "ok"), None)
     headers = [
         "method",
-        "step ms",
-        "vs ddp",
         "MB/step",
-        "wire MB",
-        "compress ms",
-        "first loss",
-        f"train loss (last {LAST})",
-        "eval loss",
-        "vs ddp",
+        "bytes vs DDP",
+        "ms/step",
+        "speedup vs DDP",
+        "MB on wire/step",
+        "compress ms/step",
+        "held-out loss",
+        "loss vs DDP",
+        "max param diff vs DDP",
         "status",
     ]
     body = []
     for r in rows:
-        if r.get("status") != "ok":
-            body.append(
-                [r["method"]] + ["-"] * 9 + [f"{r['status']}: {_report.short(r.get('reason', ''))}"]
-            )
+        if r["status"] != "ok":
+            body.append([r["method"], *["-"] * 9, f"{r['status']}: {short(r.get('reason', ''))}"])
             continue
-        fl = final_loss(r)
         body.append(
             [
                 r["method"],
-                f"{r['median_step_s'] * 1e3:.0f}",
-                f"{base['median_step_s'] / r['median_step_s']:.2f}x" if base else "-",
                 f"{r['bytes_per_step'] / 1e6:.2f}",
+                f"{r['bytes_per_step'] / base['bytes_per_step']:.1%}" if base else "-",
+                f"{r['median_step_s'] * 1e3:.1f}",
+                f"{base['median_step_s'] / r['median_step_s']:.2f}x" if base else "-",
                 f"{r['wire_bytes_per_step'] / 1e6:.2f}" if "wire_bytes_per_step" in r else "-",
-                f"{r['compress_s_per_step'] * 1e3:.0f}" if "compress_s_per_step" in r else "-",
-                f"{r['loss'][0]:.3f}",
-                f"{fl:.3f}",
-                f"{r['eval_loss']:.3f}",
-                f"{(r['eval_loss'] / base['eval_loss'] - 1) * 100:+.2f}%" if base else "-",
-                "ok" if r.get("replicas_identical", True) else "ok (replicas differ!)",
+                f"{r['compress_s_per_step'] * 1e3:.1f}" if "compress_s_per_step" in r else "-",
+                f"{r['eval_loss']:.4f}",
+                f"{r['eval_loss'] / base['eval_loss'] - 1:+.2%}" if base else "-",
+                f"{r['max_param_diff']:.1e}" if "max_param_diff" in r else "-",
+                "ok" if r.get("replicas_identical", True) else "ok, but replicas differ",
             ]
         )
-    print(_report.table(headers, body))
-    for w in env.get("warnings", []):
-        print(f"warning: {w}")
+    lines += ["", table(headers, body, markdown), ""]
+    lines += [f"{r['method']}: {_legend(r['method'])}" for r in rows]
+    lines += [
+        "MB/step: ddpcomm's own count (state.stats()); DDP and torch's hooks by their wire "
+        "format. ms/step: median over steps after the warm-up, slowest rank."
+    ]
+    if env["link"].startswith("loopback"):
+        lines.append(
+            "On loopback the link is not the limit: step times show compute overhead, not "
+            "wire savings (see 'collectives --link 1gbit' for a shaped link)."
+        )
+    lines += [f"warning: {w}" for w in env.get("warnings", [])]
+    return "\n".join(lines)
 
 
-def _moving_average(xs: list[float], window: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, x in enumerate(xs):
-        acc += x - (xs[i - window] if i >= window else 0.0)
-        out.append(acc / min(i + 1, window))
-    return out
+def _legend(method: str) -> str:
+    own = {
+        "nocomm": "no gradient exchange (each rank trains alone: the compute floor)",
+        "ddp": "DDP's default (fp32 all_reduce, no hook)",
+    }
+    return own.get(method) or _methods.describe(method)
 
 
-def plot(rows: list[dict], env: dict, path: str) -> None:
+def plot(result: dict, path: str) -> None:
     import matplotlib
 
-    matplotlib.use("Agg")  # files only: no display on benchmark machines
+    matplotlib.use("Agg")  # files only: benchmark machines have no display
     import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if r.get("status") == "ok"]
+    env, ok = result["environment"], [r for r in result["rows"] if r["status"] == "ok"]
     fig, (ax_loss, ax_time) = plt.subplots(
         1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]}
     )
@@ -348,29 +350,21 @@ def plot(rows: list[dict], env: dict, path: str) -> None:
         if r["method"] == "nocomm":
             continue  # each rank trains alone: its loss is not comparable
         steps = range(1, len(r["loss"]) + 1)
-        color = f"C{i % 10}"
-        # One step's loss on a small batch is noisy: faint raw curve, bold moving average.
-        ax_loss.plot(steps, r["loss"], color=color, lw=0.6, alpha=0.3)
-        ax_loss.plot(
-            steps, _moving_average(r["loss"], LAST), color=color, lw=1.5, label=r["method"]
-        )
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel(f"training loss (mean over ranks; bold: {LAST}-step average)")
-    ax_loss.set_title("loss vs step")
+        # One step's loss on a small batch is noisy: faint raw curve, bold 10-step average.
+        avg = [statistics.fmean(r["loss"][max(0, j - 9) : j + 1]) for j in range(len(r["loss"]))]
+        ax_loss.plot(steps, r["loss"], color=f"C{i % 10}", lw=0.6, alpha=0.3)
+        ax_loss.plot(steps, avg, color=f"C{i % 10}", lw=1.5, label=r["method"])
+    ax_loss.set(xlabel="step", ylabel="training loss (bold: 10-step average)", title="loss vs step")
     ax_loss.grid(alpha=0.3)
     ax_loss.legend(fontsize=8)
-    names = [r["method"] for r in ok]
     ms = [r["median_step_s"] * 1e3 for r in ok]
-    bars = ax_time.barh(names, ms, color=[f"C{i % 10}" for i in range(len(ok))])
+    bars = ax_time.barh([r["method"] for r in ok], ms, color=[f"C{i % 10}" for i in range(len(ok))])
     ax_time.bar_label(bars, labels=[f"{v:.0f} ms" for v in ms], fontsize=8, padding=2)
     ax_time.invert_yaxis()
-    ax_time.set_xlabel("median step time (ms)")
-    ax_time.set_title("step time (nocomm: compute only)")
+    ax_time.set(xlabel="median step time (ms)", title="step time (nocomm: compute only)")
     ax_time.set_xlim(0, max(ms, default=1) * 1.25)
     ax_time.grid(axis="x", alpha=0.3)
-    fig.suptitle(
-        f"{env['model'].split(':')[0]}; {env['world']} ranks; link {env['link_short']}", fontsize=9
-    )
+    fig.suptitle(f"{env['model'].split(':')[0]}; {env['world']} ranks; {env['link']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -1,0 +1,137 @@
+"""The methods the benchmarks compare: torch's own DDP hooks by name, ddpcomm's by spec.
+
+ddpcomm methods are spec strings (``q8``, ``q4``, ``topk:0.01``, ...) and their states
+are built in one place, ``_state``. Every method also has a byte formula, so a row whose
+hook fails still shows what it would have sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import ddpcomm
+
+# torch's hooks, as PyTorch users run them today.
+TORCH = {
+    "allreduce": "torch allreduce_hook: DDP's default, fp32 all_reduce then / N",
+    "torch-fp16": "torch fp16_compress_hook",
+    "torch-qpt": "torch quantization_pertensor_hook (uint8 per tensor, all_gather)",
+    "powersgd-r1": "torch powerSGD_hook, rank 1",
+    "powersgd-r4": "torch powerSGD_hook, rank 4",
+    "bpowersgd-r1": "torch batched_powerSGD_hook, rank 1",
+    "bpowersgd-r4": "torch batched_powerSGD_hook, rank 4",
+}
+DDPCOMM = ["q8", "q4", "q2", "q1", "topk:0.01", "randk:0.01"]
+_HOOK_NAMES = {"q": "quantize_hook", "topk": "topk_hook", "randk": "randomk_hook"}
+
+
+def describe(method: str) -> str:
+    if method in TORCH:
+        return TORCH[method]
+    kind = "q" if method[0] == "q" else method.split(":")[0]
+    return f"ddpcomm {_HOOK_NAMES.get(kind, 'hook')}, {method!r}"
+
+
+def _state(spec: str, group=None):
+    """(state, hook) of a ddpcomm spec string: the one place the benchmarks build them."""
+    kind, _, arg = spec.partition(":")
+    try:
+        if kind == "topk":
+            return ddpcomm.TopKState(ratio=float(arg), process_group=group), ddpcomm.topk_hook
+        if kind == "randk":
+            return ddpcomm.RandomKState(ratio=float(arg), process_group=group), ddpcomm.randomk_hook
+        if kind in ("q8", "q4", "q2", "q1") and not arg:
+            state = ddpcomm.QuantizeState(bits=int(kind[1:]), process_group=group)
+            return state, ddpcomm.quantize_hook
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"method {spec!r}: {exc}") from None
+    raise ValueError(f"unknown method {spec!r}")
+
+
+def make_hook(method: str, group):
+    """(hook, state, calls before the hook compresses) for a method name or spec."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+    from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as qh
+
+    plain = {
+        "allreduce": dh.allreduce_hook,
+        "torch-fp16": dh.fp16_compress_hook,
+        "torch-qpt": qh.quantization_pertensor_hook,
+    }
+    if method in plain:
+        return plain[method], group, 0
+    if "powersgd-r" in method:
+        # start_powerSGD_iter=2 is the smallest torch accepts with error feedback and warm
+        # start (both on, as by default); two calls before it make compression active.
+        rank = int(method.rsplit("r", 1)[1])
+        state = ps.PowerSGDState(group, matrix_approximation_rank=rank, start_powerSGD_iter=2)
+        hook = ps.powerSGD_hook if method[0] == "p" else ps.batched_powerSGD_hook
+        return hook, state, 2
+    state, hook = _state(method, group)
+    return hook, state, 0
+
+
+def check(method: str, allowed: tuple[str, ...] = ()) -> str:
+    """``method`` if the benchmarks know it (argparse type: a clear error otherwise)."""
+    if method in TORCH or method in allowed:
+        return method
+    try:
+        _state(method)
+    except ValueError as exc:
+        known = ", ".join([*allowed, *TORCH, *DDPCOMM])
+        raise argparse.ArgumentTypeError(
+            f"{exc}; choose from {known} (any ratio works for topk:R and randk:R)"
+        ) from None
+    return method
+
+
+def method_list(allowed: tuple[str, ...] = ()):
+    """argparse type of ``--methods``: a comma-separated list of known methods."""
+
+    def parse(text: str) -> list[str]:
+        names = [check(m.strip(), allowed) for m in text.split(",") if m.strip()]
+        if not names:
+            raise argparse.ArgumentTypeError("give at least one method")
+        return names
+
+    return parse
+
+
+METHODS_HELP = (
+    "comma-separated methods: torch's allreduce (DDP's default), torch-fp16, torch-qpt "
+    "(quantization_pertensor_hook), powersgd-r1, powersgd-r4, bpowersgd-r1, bpowersgd-r4 "
+    "(batched); ddpcomm's q8, q4, q2, q1, topk:R, randk:R (R: the density)"
+)
+
+
+def _ring(world: int, nbytes: float) -> float:
+    return 2 * (world - 1) / world * nbytes
+
+
+def formula_bytes(method: str, shapes: list[tuple[int, ...]], world: int) -> int:
+    """Bytes one rank sends for one bucket of tensors ``shapes``, from the method's wire
+    format, as a ring schedule sends them."""
+    numel = sum(math.prod(s) for s in shapes)
+    if method in ("allreduce", "ddp"):
+        return round(_ring(world, 4 * numel))
+    if method == "torch-fp16":
+        return round(_ring(world, 2 * numel))
+    if method == "torch-qpt":
+        # all_gathers of (scale, zero point) as 2 fp32, then of one uint8 per element.
+        return (world - 1) * (8 + numel)
+    if method.startswith("powersgd-r"):
+        # torch's _should_compress: a matrix is compressed when (m + n) r * 2 < m n; the
+        # rest goes in one uncompressed all_reduce. P then Q are all_reduced.
+        r, elems = int(method.rsplit("r", 1)[1]), 0
+        for s in shapes:
+            m, n = (s[0], math.prod(s[1:])) if len(s) > 1 else (0, 0)
+            elems += (m + n) * r if (m + n) * r * 2 < m * n else math.prod(s)
+        return round(_ring(world, 4 * elems))
+    if method.startswith("bpowersgd-r"):
+        side = math.ceil(math.sqrt(numel))  # the bucket, zero-padded to a square matrix
+        return round(_ring(world, 4 * 2 * side * int(method.rsplit("r", 1)[1])))
+    if method == "nocomm":
+        return 0
+    return ddpcomm.parse_compression(method).wire_bytes(numel, world)
