@@ -23,30 +23,18 @@ TORCH = {
     "bpowersgd-r4": "torch batched_powerSGD_hook, rank 4",
 }
 DDPCOMM = ["q8", "q4", "q2", "q1", "topk:0.01", "randk:0.01"]
-_HOOK_NAMES = {"q": "quantize_hook", "topk": "topk_hook", "randk": "randomk_hook"}
 
 
 def describe(method: str) -> str:
-    if method in TORCH:
-        return TORCH[method]
-    kind = "q" if method[0] == "q" else method.split(":")[0]
-    return f"ddpcomm {_HOOK_NAMES.get(kind, 'hook')}, {method!r}"
+    return TORCH.get(method, f"ddpcomm compress_hook, {method!r}")
 
 
 def _state(spec: str, group=None):
     """(state, hook) of a ddpcomm spec string: the one place the benchmarks build them."""
-    kind, _, arg = spec.partition(":")
     try:
-        if kind == "topk":
-            return ddpcomm.TopKState(ratio=float(arg), process_group=group), ddpcomm.topk_hook
-        if kind == "randk":
-            return ddpcomm.RandomKState(ratio=float(arg), process_group=group), ddpcomm.randomk_hook
-        if kind in ("q8", "q4", "q2", "q1") and not arg:
-            state = ddpcomm.QuantizeState(bits=int(kind[1:]), process_group=group)
-            return state, ddpcomm.quantize_hook
+        return ddpcomm.CompressionState(spec, process_group=group), ddpcomm.compress_hook
     except (TypeError, ValueError) as exc:
         raise ValueError(f"method {spec!r}: {exc}") from None
-    raise ValueError(f"unknown method {spec!r}")
 
 
 def make_hook(method: str, group):
