@@ -11,7 +11,9 @@ Spawning ranks costs most of the time on a small machine, so each world size run
 check in one group; each check returns what it measured and the tests below judge it.
 """
 
+import argparse
 import io
+import json
 import math
 import pickle
 import subprocess
@@ -520,3 +522,21 @@ def test_fsdp_is_a_lazy_submodule():
         "assert ddpcomm.fsdp.compress"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bench_quick(tmp_path):
+    """``python -m ddpcomm.bench fsdp --quick`` runs on loopback and counts bytes right."""
+    from ddpcomm.bench import fsdp as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="command", required=True))
+    out = tmp_path / "fsdp.json"
+    args = parser.parse_args(["fsdp", "--quick", "--methods", "plain,q8", "--json", str(out)])
+    assert args.func(args) == 0
+    rows = {(r["part"], r["method"]): r for r in json.loads(out.read_text())["rows"]}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    shard = rows["rs", "q8"]["numel"] // 2
+    assert rows["rs", "plain"]["bytes"] == 4 * shard  # one of two shards leaves the rank
+    assert rows["rs", "q8"]["bytes"] == shard // 256 * (4 + 256)
+    assert rows["rs", "plain"]["rel_error"] < 1e-6 < rows["rs", "q8"]["rel_error"] < 0.02
+    assert rows["train", "q8"]["rs_bytes_per_step"] < rows["train", "plain"]["rs_bytes_per_step"]

@@ -17,6 +17,7 @@ COMMANDS.append("coalesced")
 COMMANDS += ["sparse"]  # sparsification: top-k / random-k
 # Every method over shaped links: one bucket per call, and end-to-end DDP training.
 COMMANDS += ["collectives", "train"]
+COMMANDS += ["fsdp"]  # FSDP2 reduce-scatter and training
 
 
 def main(argv: list[str] | None = None) -> int:
