@@ -4,8 +4,13 @@
 >>> ddp.register_comm_hook(ddpcomm.CompressionState("q4"), ddpcomm.compress_hook)
 >>> ddpcomm.all_reduce(tensor, compression="q8")
 
+FSDP2: ``ddpcomm.fsdp.compress(model, "q8")`` (the submodule is imported on first use, so
+``import ddpcomm`` does not load torch's FSDP).
+
 See README.md for the methods, their wire formats and measured results.
 """
+
+import importlib
 
 from ddpcomm import compressors
 from ddpcomm.compressors import parse as parse_compression
@@ -35,8 +40,16 @@ __all__ = [
     "build_info",
     "compress_hook",
     "compressors",
+    "fsdp",
     "parse_compression",
     "quantize_hook",
     "randomk_hook",
     "topk_hook",
 ]
+
+
+def __getattr__(name: str):
+    # ddpcomm.fsdp on first use: importing torch.distributed.fsdp took 1.7 s here.
+    if name == "fsdp":
+        return importlib.import_module("ddpcomm.fsdp")
+    raise AttributeError(f"module 'ddpcomm' has no attribute {name!r}")

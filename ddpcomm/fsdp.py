@@ -1,0 +1,507 @@
+"""Compressed gradient reduction for FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+>>> model = fully_shard(model)                                  # after sharding layers
+>>> state = ddpcomm.fsdp.compress(model, "q8")                  # every FSDP module
+>>> layer.set_custom_reduce_scatter(ddpcomm.fsdp.ReduceScatter("q4"))   # or one by hand
+>>> state.stats()["compression_ratio"]
+
+FSDP2 reduce-scatters each parameter group's gradients once per backward. ``ReduceScatter``
+is a torch ``ReduceScatter`` comm (``FSDPModule.set_custom_reduce_scatter``) that does it
+compressed with any ddpcomm method (``ddpcomm.reduce_scatter``): each destination chunk is
+compressed into one packed buffer, one ``all_to_all_single`` delivers it, and its owner
+sums the N payloads in fp32. FSDP's ``op`` (SUM, AVG or PREMUL_SUM for a divide factor)
+and ``reduce_dtype`` are honoured. HSDP's replica all-reduce (shard with a 1-D mesh, pass
+``replicate_group``) runs ddpcomm's DDP algorithms through ``set_all_reduce_hook``.
+
+Error feedback (on by default for q1, q2, topk, randk) keeps, per FSDP parameter group,
+what compression dropped from this rank's *unsharded* gradient: 4 bytes per parameter
+element on every rank, as much as an fp32 copy of the whole model's gradients, which
+FSDP otherwise never holds. ``residual_dtype=torch.bfloat16`` halves that (the residual
+is rounded to bf16 between steps); ``error_feedback=False`` removes it. The HSDP replica
+all-reduce adds a residual of the shard's size (1/N of that).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _TorchReduceScatter
+
+from ddpcomm import collectives, reduce_scatter
+from ddpcomm.compressors import Compressor, NoCompression, check_int, parse
+from ddpcomm.context import (
+    ReduceContext,
+    ResidualMemory,
+    Stats,
+    Workspace,
+    completed,
+    verify_config,
+)
+
+RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class _SharedWorkspace(Workspace):
+    """Grow-only scratch buffers shared by every parameter group.
+
+    DDP keeps buffers per bucket; FSDP exists to never hold unsharded-size memory for
+    every layer at once. FSDP reduces one group at a time on one stream (a CUDA stream's
+    kernels run in order), so consecutive calls can share each buffer, sized by the
+    largest group.
+    """
+
+    __slots__ = ()
+
+    def get(self, name: str, key, nbytes: int, device) -> torch.Tensor:
+        buf = self.buffers.get((name, device))
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self.buffers[(name, device)] = buf
+        return buf[:nbytes]
+
+
+class _ResidualMemory(ResidualMemory):
+    """``ResidualMemory`` with a storage dtype, and a loaded (CPU) residual moved to the
+    device it is used on instead of being reset there."""
+
+    __slots__ = ()
+
+    def get(self, kind, key, numel, device, signature=None, dtype=torch.float32):
+        k, device = (kind, key), torch.device(device)
+        buf = self.buffers.get(k)
+        if buf is not None and buf.device != device:
+            buf = self.buffers[k] = buf.to(device)
+        if (
+            buf is None
+            or buf.numel() != numel
+            or buf.dtype != dtype
+            or self.signatures.get(k) != signature
+        ):
+            buf = self.buffers[k] = torch.zeros(numel, dtype=dtype, device=device)
+            self.signatures[k] = signature
+        return buf
+
+
+class FSDPCompressionState:
+    """The method, residuals, step counters and statistics of FSDP2 gradient compression.
+
+    ``compress`` makes one and shares it among the comms it installs; a ``ReduceScatter``
+    built from a spec makes its own. Arguments as ``ddpcomm.CompressionState``'s
+    (``compression``, ``start_iter``, ``min_numel``, method ``**options``), plus
+    ``residual_dtype``: float32 (default) or bfloat16 error-feedback storage.
+    """
+
+    __slots__ = (
+        "compressor",
+        "start_iter",
+        "min_numel",
+        "residual_dtype",
+        "memory",
+        "steps",
+        "_stats",
+        "_rs_workspace",
+        "_ar_workspace",
+        "_verified",
+        "_names",
+    )
+
+    def __init__(
+        self,
+        compression: str | Compressor = "q8",
+        *,
+        start_iter: int = 0,
+        min_numel: int = 0,
+        residual_dtype: torch.dtype = torch.float32,
+        **options,
+    ) -> None:
+        self.compressor = parse(compression, **options)
+        self.start_iter = check_int(start_iter, "start_iter", 0)
+        self.min_numel = check_int(min_numel, "min_numel", 0)
+        if not isinstance(residual_dtype, torch.dtype):
+            raise TypeError(f"residual_dtype must be a torch.dtype, got {residual_dtype!r}")
+        if residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(
+                f"residual_dtype must be torch.float32 or torch.bfloat16, got {residual_dtype}"
+            )
+        self.residual_dtype = residual_dtype
+        self.memory = _ResidualMemory()
+        self.steps: dict[str, int] = {}  # reductions done per key ("rs:<group>", "ar:<group>")
+        self._stats = Stats()
+        # Reduce-scatters and HSDP all-reduces run on different CUDA streams: their
+        # buffers must not be shared.
+        self._rs_workspace = _SharedWorkspace()
+        self._ar_workspace = _SharedWorkspace()
+        self._verified: weakref.WeakSet = weakref.WeakSet()
+        self._names = itertools.count()
+
+    def config(self) -> tuple:
+        """What every rank must agree on (checked at each group's first reduction)."""
+        return (
+            *self.compressor.config(),
+            self.start_iter,
+            self.min_numel,
+            str(self.residual_dtype),
+        )
+
+    def stats(self) -> dict:
+        """``ddpcomm.CompressionState.stats()``'s keys: bytes handed to collectives
+        against FSDP's plain reduce-scatter (and, for HSDP, plain all-reduce), time spent
+        (de)compressing, calls per path, and ``iteration``: reductions of the most-reduced
+        parameter group so far."""
+        d = self._stats.as_dict()
+        d["iteration"] = max(self.steps.values(), default=0)
+        return d
+
+    def reset_stats(self) -> None:
+        self._stats.reset()
+
+    def _verify(self, group: dist.ProcessGroup, numel: int, device) -> None:
+        # At the first reduction on a group, compressed or not: ranks that disagree on
+        # start_iter or min_numel would otherwise issue different collectives.
+        if group not in self._verified:
+            verify_config(self.config(), numel, group, device)
+            self._verified.add(group)
+
+    def _plain(self, key: str, numel: int) -> bool:
+        return (
+            isinstance(self.compressor, NoCompression)
+            or self.steps.get(key, 0) < self.start_iter
+            or numel < self.min_numel
+        )
+
+    # -- the reduce-scatter ------------------------------------------------------------
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group: dist.ProcessGroup,
+        op,
+        name: str,
+        layout: tuple[int, ...] | None = None,
+    ) -> None:
+        """One FSDP reduce-scatter of the parameter group ``name``. ``layout`` (elements
+        per rank of each parameter of the group) tells a full-group call from one that
+        reduces only the parameters that got gradients; residuals serve full calls only."""
+        _check_pair(output, input, group)
+        key = "rs:" + name
+        self._verify(group, input.numel(), input.device)
+        ctx = ReduceContext(
+            group=group,
+            key=key,
+            step=self.steps.get(key, 0),
+            stats=self._stats,
+            workspace=self._rs_workspace,
+        )
+        if self._plain(key, input.numel()):
+            reduce_scatter.plain(output, input, op, ctx)
+        else:
+            self.compressor.check_tensor(input, "input_tensor")
+            stored = self._residual(key, input, group, layout)
+            residual = None if stored is None else stored.float()  # itself when fp32
+            finite = reduce_scatter.reduce_scatter(
+                output, input, self.compressor, op, ctx, residual
+            )
+            if stored is not None:
+                if finite is not None:
+                    residual.masked_fill_(finite.logical_not(), 0.0)
+                if residual is not stored:
+                    stored.copy_(residual)
+        self.steps[key] = ctx.step + 1
+
+    def _residual(self, key, input, group, layout) -> torch.Tensor | None:
+        if not self.compressor.error_feedback:
+            return None
+        world = dist.get_world_size(group)
+        if layout is not None and sum(layout) * world != input.numel():
+            # Only the parameters that got gradients are reduced (FSDP skips the others
+            # unless set_reduce_scatter_unused_params): this call's layout is not the
+            # residual's. It goes without error feedback; the residual is dropped.
+            self.memory.buffers.pop(("rs", key), None)
+            return None
+        signature = (world, layout if layout is not None else input.numel())
+        return self.memory.get(
+            "rs", key, input.numel(), input.device, signature, dtype=self.residual_dtype
+        )
+
+    # -- checkpointing -----------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Step counters, residuals and config: resuming continues bitwise. Load it into
+        a state of the same config, installed on the same model, before its first step."""
+        return {
+            "config": self.config(),
+            "steps": dict(self.steps),
+            "memory": self.memory.state_dict(),
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        if tuple(sd["config"]) != self.config():
+            raise ValueError(
+                f"state_dict was saved with config {sd['config']}, this state has {self.config()}"
+            )
+        self.steps = dict(sd["steps"])
+        self.memory.load_state_dict(sd["memory"])
+
+    def __getstate__(self) -> dict:
+        return {
+            "compressor": self.compressor,
+            "residual_dtype": self.residual_dtype,
+            "state": self.state_dict(),
+            "start_iter": self.start_iter,
+            "min_numel": self.min_numel,
+        }
+
+    def __setstate__(self, d: dict) -> None:
+        FSDPCompressionState.__init__(
+            self,
+            d["compressor"],
+            start_iter=d["start_iter"],
+            min_numel=d["min_numel"],
+            residual_dtype=d["residual_dtype"],
+        )
+        self.load_state_dict(d["state"])
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.compressor!r}, start_iter={self.start_iter}, "
+            f"min_numel={self.min_numel}, residual_dtype={self.residual_dtype})"
+        )
+
+
+def _check_pair(output, input, group) -> None:
+    for arg, t in (("output_tensor", output), ("input_tensor", input)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"{arg} must be a contiguous 1-D tensor, got shape {tuple(t.shape)}")
+    if output.dtype != input.dtype or output.device != input.device:
+        raise ValueError(
+            f"output_tensor ({output.dtype}, {output.device}) and input_tensor "
+            f"({input.dtype}, {input.device}) must share dtype and device"
+        )
+    world = dist.get_world_size(group)
+    if input.numel() != world * output.numel():
+        raise ValueError(
+            f"input_tensor must hold {world} x output_tensor's {output.numel()} elements, "
+            f"got {input.numel()}"
+        )
+
+
+class ReduceScatter(_TorchReduceScatter):
+    """A torch FSDP2 ``ReduceScatter`` comm that compresses the gradient reduce-scatter.
+
+    Args:
+        compression: a spec string (``"q8"``, ``"q4"``, ``"q2"``, ``"q1"``,
+            ``"topk:0.01"``, ``"randk:0.01"``, ``"fp16"``, ``"bf16"``, ``"none"``), a
+            compressor, or an ``FSDPCompressionState`` to share (then no options).
+        name: the key of this comm's residuals and step counter in the state (and its
+            state_dict); default: a number in creation order.
+        **options: ``FSDPCompressionState``'s (``start_iter``, ``min_numel``,
+            ``residual_dtype``) and the method's (``block_size``, ``error_feedback``, ...).
+
+    Install one instance per FSDP module: error-feedback residuals belong to the instance
+    (``compress`` does this for a whole model). ``none`` is FSDP's own reduce-scatter.
+
+    Example::
+
+        layer.set_custom_reduce_scatter(ddpcomm.fsdp.ReduceScatter("q4"))
+    """
+
+    def __init__(
+        self,
+        compression: str | Compressor | FSDPCompressionState = "q8",
+        *,
+        name: str | None = None,
+        _layout: tuple[int, ...] | None = None,
+        **options,
+    ) -> None:
+        if isinstance(compression, FSDPCompressionState):
+            if options:
+                raise ValueError("options cannot be combined with an FSDPCompressionState")
+            self.state = compression
+        else:
+            self.state = FSDPCompressionState(compression, **options)
+        if name is None:
+            name = f"#{next(self.state._names)}"
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str or None, got {name!r}")
+        self.name = name
+        self._layout = _layout
+        self._task = None  # the backward pass of the last call (shared-instance check)
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """FSDP's reduce-scatter input and output buffers: plain device memory."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op,
+        async_op: bool = False,
+    ):
+        task = torch._C._current_graph_task_id()  # -1 outside a backward pass
+        if task >= 0 and task == self._task and self.state.compressor.error_feedback:
+            raise ValueError(
+                f"ddpcomm.fsdp.ReduceScatter {self.name!r} was called twice in one "
+                "backward pass: it is installed on several FSDP modules, whose residuals "
+                "would mix. Install one instance per module (ddpcomm.fsdp.compress does), "
+                "or pass error_feedback=False."
+            )
+        self._task = task
+        self.state.reduce_scatter(output_tensor, input_tensor, group, op, self.name, self._layout)
+        if not async_op:
+            return None
+        # The work is done (gloo) or ordered on the current stream (NCCL): a completed
+        # device future, whose waiters wait for that stream.
+        fut = completed(output_tensor, output_tensor.device)
+        return torch._C._distributed_c10d._create_work_from_future(fut)
+
+    def stats(self) -> dict:
+        return self.state.stats()
+
+    def state_dict(self) -> dict:
+        return self.state.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.state.load_state_dict(sd)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.state.compressor!r}, name={self.name!r})"
+
+
+class _ReplicaAllReduce:
+    """HSDP's replica all-reduce as an FSDP ``all_reduce_hook``: the mean over
+    ``group`` of the group's reduce-scatter output, in place, with the DDP algorithms.
+
+    FSDP (sharding over a 1-D mesh) has divided by the shard count only, so the mean
+    over replicas makes the mean over all ranks; with a custom gradient divide factor
+    FSDP's native HSDP sums replicas instead, and so does this (mean times replicas).
+    """
+
+    def __init__(self, state: FSDPCompressionState, group, name: str, param_group) -> None:
+        self.state = state
+        self._group = weakref.ref(group)
+        self.key = "ar:" + name
+        self._param_group = param_group
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        state, group = self.state, self._group()
+        if group is None:
+            raise RuntimeError("ddpcomm: the replicate process group was destroyed")
+        flat = reduce_output
+        state._verify(group, flat.numel(), flat.device)
+        ctx = ReduceContext(
+            group=group,
+            memory=state.memory,
+            key=self.key,
+            step=state.steps.get(self.key, 0),
+            signature=(dist.get_world_size(group), flat.numel()),
+            stats=state._stats,
+            workspace=state._ar_workspace,
+        )
+        if state._plain(self.key, flat.numel()):
+            fut = collectives.plain_all_reduce(flat, ctx)
+        else:
+            fut = collectives.all_reduce_mean(flat, state.compressor, ctx)
+        fut.wait()
+        if getattr(self._param_group, "gradient_divide_factor", None) is not None:
+            flat.mul_(dist.get_world_size(group))
+        state.steps[self.key] = ctx.step + 1
+
+
+def _as_group(replicate_group) -> dist.ProcessGroup | None:
+    if replicate_group is None or isinstance(replicate_group, dist.ProcessGroup):
+        return replicate_group
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(replicate_group, DeviceMesh):
+        if replicate_group.ndim != 1:
+            raise ValueError(
+                f"replicate_group must be a 1-D DeviceMesh, got {replicate_group.ndim} dims"
+            )
+        return replicate_group.get_group()
+    raise TypeError(
+        f"replicate_group must be a ProcessGroup, a 1-D DeviceMesh or None, got {replicate_group!r}"
+    )
+
+
+def _param_group(module: FSDPModule, name: str):
+    """The module's one FSDP parameter group, or None when it manages no parameters."""
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    if len(groups) > 1:
+        raise ValueError(
+            f"module {name!r} has {len(groups)} FSDP parameter groups (a per-parameter "
+            "mesh); FSDP2 takes a custom reduce-scatter only for a single group"
+        )
+    return groups[0] if groups else None
+
+
+def compress(
+    model: nn.Module,
+    compression: str | Compressor | FSDPCompressionState = "q8",
+    *,
+    replicate_group: dist.ProcessGroup | None = None,
+    **options,
+) -> FSDPCompressionState:
+    """Compresses the gradient reduce-scatter of every ``FSDPModule`` in ``model``.
+
+    Args:
+        model: a module tree already sharded with ``fully_shard``.
+        compression: as ``ReduceScatter``'s.
+        replicate_group: for HSDP, the process group (or 1-D ``DeviceMesh``) of the
+            ranks holding the same shard: the model is sharded over a 1-D shard mesh and
+            the replica all-reduce runs compressed through ``set_all_reduce_hook``.
+            (FSDP's native 2-D-mesh HSDP runs its own all-reduce first; it is refused.)
+        **options: as ``ReduceScatter``'s.
+
+    Returns the shared ``FSDPCompressionState`` (``stats()``, ``state_dict()``).
+
+    Example::
+
+        mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("replicate", "shard"))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+        state = ddpcomm.fsdp.compress(model, "q8", replicate_group=mesh["replicate"])
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    replicate = _as_group(replicate_group)
+    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not modules:
+        raise ValueError("model has no FSDPModule: shard it with fully_shard first")
+    if isinstance(compression, FSDPCompressionState):
+        if options:
+            raise ValueError("options cannot be combined with an FSDPCompressionState")
+        state = compression
+    else:
+        state = FSDPCompressionState(compression, **options)
+    installs: list[tuple[FSDPModule, str, object]] = []
+    for name, module in modules:
+        group = _param_group(module, name)
+        if group is None:
+            continue
+        if replicate is not None and group._is_hsdp:
+            raise ValueError(
+                f"module {name!r} is sharded with a 2-D (replicate, shard) mesh: FSDP runs "
+                "its own uncompressed replica all-reduce before any hook. Shard over the "
+                "1-D shard mesh and pass the replicate mesh as replicate_group."
+            )
+        installs.append((module, name, group))
+    for module, name, group in installs:
+        layout = tuple(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
+        module.set_custom_reduce_scatter(ReduceScatter(state, name=name, _layout=layout))
+        if replicate is not None:
+            module.set_all_reduce_hook(_ReplicaAllReduce(state, replicate, name, group))
+    return state
+
+
+__all__ = ["FSDPCompressionState", "ReduceScatter", "compress"]
