@@ -11,9 +11,7 @@ Spawning ranks costs most of the time on a small machine, so each world size run
 check in one group; each check returns what it measured and the tests below judge it.
 """
 
-import argparse
 import io
-import json
 import math
 import pickle
 import subprocess
