@@ -208,15 +208,14 @@ class ResidualMemory:
     def get(self, kind: str, key, numel: int, device, signature=None) -> torch.Tensor:
         k = (kind, key)
         buf = self.buffers.get(k)
-        if (
-            buf is None
-            or buf.numel() != numel
-            or buf.device != torch.device(device)
-            or (self.signatures.get(k) != signature)
-        ):
+        if buf is None or buf.numel() != numel or self.signatures.get(k) != signature:
             buf = torch.zeros(numel, dtype=torch.float32, device=device)
             self.buffers[k] = buf
             self.signatures[k] = signature
+        elif buf.device != torch.device(device):
+            # A residual loaded from a checkpoint lives on the CPU until its bucket is
+            # first reduced on the GPU: moved, not reset, so a resumed run stays bitwise.
+            buf = self.buffers[k] = buf.to(device)
         return buf
 
     def state_dict(self) -> dict:
