@@ -260,7 +260,7 @@ def _state_for(state, bucket: dist.GradBucket, cls: type, hook: str) -> Compress
         if not isinstance(state, cls):
             raise TypeError(f"{hook} needs a {cls.__name__} or None, got {type(state).__name__}")
         return state
-    params = bucket.parameters()
+    params = [bucket[1]] if isinstance(bucket, tuple) else bucket.parameters()
     found = [s for s in map(_DEFAULT_STATES.get, params) if type(s) is cls]
     default = found[0] if found else cls()
     for p in params:
@@ -272,6 +272,16 @@ def _hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Fut
     """The body of every compressing hook. Residuals are keyed by bucket index and checked
     against the bucket's layout (parameter shapes), so DDP's bucket rebuild resets them
     instead of applying them to the wrong parameters."""
+    if isinstance(bucket, tuple):
+        # DDP's python_reducer (torch._dynamo.config.optimize_ddp = "python_reducer", with
+        # compiled autograd) calls hooks per parameter with (grad, param) and ignores the
+        # return value; the bucketed algorithms here cannot run that way.
+        raise NotImplementedError(
+            f"ddpcomm's {state.compressor.spec} hook was called per parameter by DDP's "
+            "python_reducer (optimize_ddp='python_reducer', compiled autograd), which "
+            "ddpcomm does not support yet; use torch.compile with the default "
+            "optimize_ddp='ddp_optimizer', or compiled autograd without ddpcomm"
+        )
     buffer = bucket.buffer()
     check_float_tensor(buffer, "bucket")
     ords, params = state.layout.observe(bucket)

@@ -269,3 +269,11 @@ def test_bad_specs():
         ddpcomm.parse_compression(8)
     with pytest.raises(TypeError, match="quantize_hook needs a QuantizeState"):
         ddpcomm.quantize_hook(object(), None)
+
+
+@pytest.mark.parametrize("hook", [ddpcomm.compress_hook, ddpcomm.quantize_hook, ddpcomm.topk_hook])
+def test_python_reducer_form_is_a_clear_error(hook):
+    # DDP's python_reducer calls hook(state, (grad, param)) per parameter.
+    param = torch.nn.Parameter(torch.ones(4))
+    with pytest.raises(NotImplementedError, match="python_reducer"):
+        hook(None, (torch.ones(4), param))
