@@ -170,12 +170,28 @@ class CompressionState:
         )
 
 
-class QuantizeState(CompressionState):
-    """``CompressionState(Quantizer(bits, **options))``: block-wise b-bit quantization.
+class _MethodState(CompressionState):
+    """A ``CompressionState`` whose method is fixed: ``cls(*args, **options)`` builds
+    ``CompressionState(cls.method(*args, **method_options), start_iter, min_numel,
+    process_group)``, so the method's arguments and defaults are its class's alone."""
 
-    ``bits`` is 8, 4, 2 or 1; ``options`` are ``Quantizer``'s (``block_size``,
-    ``stochastic``, ``error_feedback``, ``algorithm``, ``seed``); ``start_iter``,
-    ``min_numel`` and ``process_group`` are ``CompressionState``'s.
+    __slots__ = ()
+    method: type[Compressor]
+
+    def __init__(
+        self,
+        *args,
+        start_iter: int = 0,
+        min_numel: int = 0,
+        process_group: dist.ProcessGroup | None = None,
+        **options,
+    ) -> None:
+        super().__init__(self.method(*args, **options), start_iter, min_numel, process_group)
+
+
+class QuantizeState(_MethodState):
+    """``CompressionState`` of a ``Quantizer(bits=8, block_size=256, stochastic=False,
+    error_feedback=None, algorithm="auto", seed=0)``: block-wise b-bit quantization.
 
     Example::
 
@@ -183,24 +199,14 @@ class QuantizeState(CompressionState):
     """
 
     __slots__ = ()
-
-    def __init__(
-        self,
-        bits: int = 8,
-        *,
-        start_iter: int = 0,
-        min_numel: int = 0,
-        process_group: dist.ProcessGroup | None = None,
-        **options,
-    ) -> None:
-        super().__init__(Quantizer(bits, **options), start_iter, min_numel, process_group)
+    method = Quantizer
 
 
-class TopKState(CompressionState):
-    """``CompressionState(TopK(ratio, **options))``: each rank sends its k = ceil(ratio * n)
-    largest entries. ``options`` are ``TopK``'s (``approximate``, ``error_feedback``,
-    ``value_dtype``). ``stats()["paths"]`` counts ``topk_all_gather`` (sparse payloads)
-    and ``topk_dense`` (buckets where the payloads would outweigh a dense all_reduce).
+class TopKState(_MethodState):
+    """``CompressionState`` of a ``TopK(ratio=0.01, approximate=False, error_feedback=True,
+    value_dtype=None)``: each rank sends its k = ceil(ratio * n) largest entries.
+    ``stats()["paths"]`` counts ``topk_all_gather`` (sparse payloads) and ``topk_dense``
+    (buckets where the payloads would outweigh a dense all_reduce).
 
     Example::
 
@@ -208,22 +214,12 @@ class TopKState(CompressionState):
     """
 
     __slots__ = ()
-
-    def __init__(
-        self,
-        ratio: float = 0.01,
-        *,
-        start_iter: int = 0,
-        min_numel: int = 0,
-        process_group: dist.ProcessGroup | None = None,
-        **options,
-    ) -> None:
-        super().__init__(TopK(ratio, **options), start_iter, min_numel, process_group)
+    method = TopK
 
 
-class RandomKState(CompressionState):
-    """``CompressionState(RandomK(ratio, **options))``: every rank sends its entries at the
-    same k random indices. ``options`` are ``RandomK``'s (``seed``, ``error_feedback``).
+class RandomKState(_MethodState):
+    """``CompressionState`` of a ``RandomK(ratio=0.01, seed=0, error_feedback=True)``:
+    every rank sends its entries at the same k random indices.
 
     Example::
 
@@ -231,17 +227,7 @@ class RandomKState(CompressionState):
     """
 
     __slots__ = ()
-
-    def __init__(
-        self,
-        ratio: float = 0.01,
-        *,
-        start_iter: int = 0,
-        min_numel: int = 0,
-        process_group: dist.ProcessGroup | None = None,
-        **options,
-    ) -> None:
-        super().__init__(RandomK(ratio, **options), start_iter, min_numel, process_group)
+    method = RandomK
 
 
 # --------------------------------------------------------------------------------------
