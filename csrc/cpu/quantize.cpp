@@ -52,7 +52,11 @@ void encode_block(const float* e, int64_t valid, int64_t B, uint8_t* record, flo
   std::memcpy(record, &m, sizeof(float));
 
   if (block_is_degenerate(m)) {
-    std::fill(codes, codes + B, (uint8_t)degenerate_code(kBits));
+    // A counted loop, not std::fill(codes, codes + B): fill's length is last - first, which
+    // gcc cannot prove non-negative here (it warned of a 2^63-byte memset, -Wstringop-overflow);
+    // the loop is well defined for any B and still compiles to one memset.
+    const uint8_t code = (uint8_t)degenerate_code(kBits);
+    for (int64_t j = 0; j < B; ++j) codes[j] = code;
   } else {
     const float inv = block_inv(m, kBits);
     for (int64_t j = 0; j < B; ++j) {
