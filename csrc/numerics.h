@@ -91,11 +91,8 @@ DDPC_HD uint64_t rng_key(uint64_t seed, uint64_t step) {
   return mix64(mix64(seed + 0x9E3779B97F4A7C15ull) ^ (step + 0x632BE59BD9B4E019ull));
 }
 
+// Element `index`'s 64 random bits; its uniform is uniform24(rng_u64_keyed(key, index)).
 DDPC_HD uint64_t rng_u64_keyed(uint64_t key, uint64_t index) { return mix64(key ^ index); }
-
-DDPC_HD float rng_uniform(uint64_t seed, uint64_t step, uint64_t index) {
-  return uniform24(rng_u64_keyed(rng_key(seed, step), index));
-}
 
 // ---------------------------------------------------------------------------------------
 // Rounding without libm calls, so loops vectorize on any x86-64 and the GPU agrees.
@@ -154,16 +151,6 @@ DDPC_HD float block_tree_sum(float* buf, int64_t block) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Code packing helpers (b in {1,2,4,8}; codes never straddle a byte).
-// ---------------------------------------------------------------------------------------
-
-DDPC_HD uint32_t read_code(const uint8_t* codes, int64_t j, int bits) {
-  const int64_t bit = j * bits;
-  const uint32_t mask = (1u << bits) - 1u;
-  return ((uint32_t)codes[bit >> 3] >> (bit & 7)) & mask;
-}
-
-// ---------------------------------------------------------------------------------------
 // Sparsification (top-k, random-k).
 //
 // Packed top-k payload for k selected entries, value dtype V (float32 by default):
@@ -189,10 +176,6 @@ DDPC_HD float bits_float(uint32_t u) {
 }
 
 DDPC_HD uint32_t magnitude_key(float v) { return float_bits(v) & 0x7FFFFFFFu; }
-
-DDPC_HD bool topk_ranks_before(uint32_t key_a, int64_t a, uint32_t key_b, int64_t b) {
-  return key_a > key_b || (key_a == key_b && a < b);
-}
 
 DDPC_HD int64_t topk_payload_bytes(int64_t k, int64_t value_bytes) { return k * (4 + value_bytes); }
 

@@ -44,7 +44,6 @@ namespace {
 // most of them below ~1% density, skip the compaction).
 constexpr int64_t kChunk = 1 << 16;
 constexpr int64_t kBlock = 64;
-constexpr bool kSkipEmptyBlocks = false;
 
 int64_t num_chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
 
