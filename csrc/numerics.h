@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
+
 #if defined(__CUDACC__)
 #define DDPC_HD __host__ __device__ __forceinline__
 #else
@@ -19,6 +21,22 @@
 #endif
 
 namespace ddpcomm {
+
+DDPC_HD uint32_t float_bits(float v) {
+  uint32_t u;
+  memcpy(&u, &v, sizeof(u));
+  return u;
+}
+
+DDPC_HD float bits_float(uint32_t u) {
+  float v;
+  memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+// The NaN a kernel stores for a non-finite quantization block: the bits of C's NAN, what
+// the CPU op writes.
+DDPC_HD float canonical_nan() { return bits_float(0x7FC00000u); }
 
 // ---------------------------------------------------------------------------------------
 // Packed quantized payload layout (little-endian), for `numel` elements, bits b, block B:
@@ -44,6 +62,23 @@ DDPC_HD int64_t record_bytes(int64_t block, int bits) {
 
 DDPC_HD int64_t payload_bytes(int64_t numel, int64_t block, int bits) {
   return num_blocks(numel, block) * record_bytes(block, bits);
+}
+
+// Calls f(std::integral_constant<int, b>{}) for bits b in {1, 2, 4, 8} (the caller has
+// checked bits): the one switch that turns a runtime bit width into the template argument
+// of a kernel, on CPU and CUDA alike. Host code only.
+template <class F>
+decltype(auto) with_bits(int bits, F&& f) {
+  switch (bits) {
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    default:
+      return f(std::integral_constant<int, 8>{});
+  }
 }
 
 // Largest code magnitude of the symmetric b-bit quantizer (b >= 2): codes lie in
@@ -162,18 +197,6 @@ DDPC_HD float block_tree_sum(float* buf, int64_t block) {
 // like |e| for finite values and ranks +-Inf above every finite value and NaN above Inf,
 // so a bucket holding a non-finite value always sends one (every rank then sees it).
 // ---------------------------------------------------------------------------------------
-
-DDPC_HD uint32_t float_bits(float v) {
-  uint32_t u;
-  memcpy(&u, &v, sizeof(u));
-  return u;
-}
-
-DDPC_HD float bits_float(uint32_t u) {
-  float v;
-  memcpy(&v, &u, sizeof(v));
-  return v;
-}
 
 DDPC_HD uint32_t magnitude_key(float v) { return float_bits(v) & 0x7FFFFFFFu; }
 

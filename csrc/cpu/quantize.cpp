@@ -89,18 +89,10 @@ using EncodeFn = void (*)(const float*, int64_t, int64_t, uint8_t*, float*, uint
                           float*, uint8_t*);
 
 EncodeFn pick_encoder(int bits, bool stochastic) {
-#define DDPC_ENC(b) stochastic ? &encode_block<b, true> : &encode_block<b, false>
-  switch (bits) {
-    case 1:
-      return DDPC_ENC(1);
-    case 2:
-      return DDPC_ENC(2);
-    case 4:
-      return DDPC_ENC(4);
-    default:
-      return DDPC_ENC(8);
-  }
-#undef DDPC_ENC
+  return with_bits(bits, [&](auto b) -> EncodeFn {
+    constexpr int kBits = decltype(b)::value;
+    return stochastic ? &encode_block<kBits, true> : &encode_block<kBits, false>;
+  });
 }
 
 // Adds the values of one block record to `acc` (first `valid` elements). Codes are
@@ -125,16 +117,8 @@ void accumulate_record(const uint8_t* record, int64_t valid, float* acc, uint8_t
 using AccumulateFn = void (*)(const uint8_t*, int64_t, float*, uint8_t*);
 
 AccumulateFn pick_accumulator(int bits) {
-  switch (bits) {
-    case 1:
-      return &accumulate_record<1>;
-    case 2:
-      return &accumulate_record<2>;
-    case 4:
-      return &accumulate_record<4>;
-    default:
-      return &accumulate_record<8>;
-  }
+  return with_bits(bits,
+                   [](auto b) -> AccumulateFn { return &accumulate_record<decltype(b)::value>; });
 }
 
 // Per-task scratch: the staged block, a tree-sum buffer, codes, dequantized values.

@@ -1,37 +1,22 @@
 // CUDA implementations of the quantizer ops (and their _into out-variants): the torch side
 // only. Arguments are checked exactly as on CPU (csrc/checks.h), outputs allocated here,
 // and the kernels in quantize_kernels.cu launched on the current stream of the input's
-// device.
-//
-// The stream comes from c10/cuda/CUDAStream.h (at::cuda::getCurrentCUDAStream is the same
-// function re-exported): ATen/cuda/CUDAContext.h would also pull in cuBLAS and cuSPARSE
-// headers, which this file does not need and a bare CUDA toolkit does not ship.
+// device (csrc/cuda/binding.h).
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <optional>
 
 #include "../checks.h"
 #include "../numerics.h"
+#include "binding.h"
 #include "launchers.h"
 
 namespace ddpcomm {
 namespace {
-
-// Callers have checked is_supported_float(t).
-cuda::FloatType float_type(at::ScalarType t) {
-  if (t == at::kHalf) return cuda::FloatType::kFloat16;
-  if (t == at::kBFloat16) return cuda::FloatType::kBFloat16;
-  return cuda::FloatType::kFloat32;
-}
-
-void check_on_cuda(const at::Tensor& t, const char* arg, const char* op) {
-  TORCH_CHECK(t.is_cuda(), op, ": ", arg, " must be a CUDA tensor, got one on ", t.device());
-}
 
 cuda::PayloadRows payload_rows(const at::Tensor& payloads, int64_t numel, int64_t bits,
                                int64_t block_size) {
@@ -64,7 +49,7 @@ void quantize_into_cuda(const at::Tensor& x, const std::optional<at::Tensor>& re
                                 rng_key((uint64_t)seed, (uint64_t)step),
                                 rng_offset,
                                 packed.data_ptr<uint8_t>()};
-  C10_CUDA_CHECK(cuda::launch_quantize(args, c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(cuda::launch_quantize(args, current_stream()));
 }
 
 at::Tensor quantize_cuda(const at::Tensor& x, const std::optional<at::Tensor>& residual,
@@ -84,9 +69,9 @@ void decode_into(const at::Tensor& payloads, const at::Tensor& result, int64_t b
   const int64_t numel = result.numel();
   if (numel == 0) return;
   const c10::cuda::CUDAGuard guard(payloads.device());
-  C10_CUDA_CHECK(cuda::launch_dequantize_sum(
-      payload_rows(payloads, numel, bits, block_size), divisor, result.data_ptr(),
-      float_type(result.scalar_type()), c10::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(cuda::launch_dequantize_sum(payload_rows(payloads, numel, bits, block_size),
+                                             divisor, result.data_ptr(),
+                                             float_type(result.scalar_type()), current_stream()));
 }
 
 void dequantize_into_cuda(const at::Tensor& packed, const at::Tensor& result, int64_t bits,
@@ -143,7 +128,7 @@ at::Tensor dequantize_sum_requantize_cuda(const at::Tensor& payloads,
       payload_rows(payloads, numel, bits, block_size),
       residual ? residual->data_ptr<float>() : nullptr, divisor, stochastic,
       rng_key((uint64_t)seed, (uint64_t)step), rng_offset, packed.data_ptr<uint8_t>(),
-      c10::cuda::getCurrentCUDAStream()));
+      current_stream()));
   return packed;
 }
 

@@ -27,14 +27,13 @@
 // Decode kernels (dequantize, dequantize_sum) need no reduction: one thread per chunk, the N
 // payload rows summed in row order in registers, one vector store.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include <type_traits>
 
 #include "../numerics.h"
+#include "elements.cuh"
 #include "launchers.h"
 
 namespace ddpcomm {
@@ -46,52 +45,6 @@ constexpr int kVec = 8;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRegRows = 4;      // rows a thread keeps in registers (B <= 8 * 256 * 4)
 constexpr int kMaxStackLevels = 6;  // streaming tree over up to 32 rows (B = 65536)
-
-// The NaN every ddpcomm kernel stores for a non-finite block: the bits of C's NAN, which is
-// what the CPU op writes.
-__device__ __forceinline__ float canonical_nan() { return __int_as_float(0x7fc00000); }
-
-// ---------------------------------------------------------------------------------------
-// Element conversions. torch builds CUDA code with __CUDA_NO_HALF_CONVERSIONS__ and
-// friends, so every conversion is an explicit intrinsic. float -> half/bf16 rounds to
-// nearest even, as torch's casts do.
-// ---------------------------------------------------------------------------------------
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-__device__ __forceinline__ float half_bits_to_float(uint32_t h) {
-  return __half2float(__ushort_as_half((unsigned short)h));
-}
-// bf16 is the top half of an fp32: widening is a shift, exact.
-__device__ __forceinline__ float bf16_bits_to_float(uint32_t h) { return __uint_as_float(h << 16); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t to_bits16(T v);
-template <>
-__device__ __forceinline__ uint32_t to_bits16<__half>(__half v) {
-  return __half_as_ushort(v);
-}
-template <>
-__device__ __forceinline__ uint32_t to_bits16<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat16_as_ushort(v);
-}
 
 // Loads elements [i0, i0 + 8) of p as floats, 0 past n. `vec` says p is 16-byte aligned;
 // i0 is a multiple of 8, so a full chunk is then one (or two) aligned 16-byte loads.
@@ -660,33 +613,25 @@ cudaError_t launch_encode_bits(const Src& src, const EncodeParams& p, int64_t ct
   return cudaGetLastError();
 }
 
-// Fills the geometry of an encode launch; returns the CTA count (0: nothing to do).
-int64_t encode_geometry(int64_t n, int bits, int64_t block, EncodeParams& p) {
+// The one builder of an encode launch (quantize and dequantize_sum_requantize): geometry and
+// options. Returns the CTA count.
+int64_t encode_params(int64_t n, int bits, int64_t block, bool stochastic, uint64_t rng_key,
+                      int64_t rng_offset, uint8_t* out, bool residual, EncodeParams& p) {
+  p = EncodeParams{};
   p.n = n;
   p.nblocks = num_blocks(n, block);
   p.log2_block = log2_exact(block);
   p.log2_group = p.log2_block - 3 < 8 ? p.log2_block - 3 : 8;  // G = min(B / 8, 256)
   p.rows = (int)(block / (kVec << p.log2_group));
   p.rec = record_bytes(block, bits);
+  p.stochastic = stochastic;
+  p.rng_key = rng_key;
+  p.rng_offset = rng_offset;
+  p.out = out;
+  p.out_aligned = (reinterpret_cast<uintptr_t>(out) & 3u) == 0;
+  p.residual = residual;
   const int64_t per_cta = kThreads >> p.log2_group;
   return (p.nblocks + per_cta - 1) / per_cta;
-}
-
-template <typename T>
-cudaError_t launch_quantize_typed(const QuantizeArgs& a, const EncodeParams& p, int64_t ctas,
-                                  cudaStream_t stream) {
-  const T* x = static_cast<const T*>(a.x);
-  const QuantizeSource<T> src{x, a.residual, a.numel, aligned16(x), aligned16(a.residual)};
-  switch (a.bits) {
-    case 1:
-      return launch_encode_bits<QuantizeSource<T>, 1>(src, p, ctas, stream);
-    case 2:
-      return launch_encode_bits<QuantizeSource<T>, 2>(src, p, ctas, stream);
-    case 4:
-      return launch_encode_bits<QuantizeSource<T>, 4>(src, p, ctas, stream);
-    default:
-      return launch_encode_bits<QuantizeSource<T>, 8>(src, p, ctas, stream);
-  }
 }
 
 PayloadView payload_view(const PayloadRows& p) {
@@ -696,65 +641,23 @@ PayloadView payload_view(const PayloadRows& p) {
       aligned};
 }
 
-template <typename OutT>
-cudaError_t launch_decode_typed(const PayloadRows& p, float divisor, OutT* out,
-                                cudaStream_t stream) {
-  const int64_t ctas = (p.numel + (int64_t)kThreads * kVec - 1) / ((int64_t)kThreads * kVec);
-  if (!grid_fits(ctas)) return cudaErrorInvalidValue;
-  const PayloadView pv = payload_view(p);
-  const bool out_vec = aligned16(out);
-  switch (p.bits) {
-    case 1:
-      decode_kernel<1, OutT>
-          <<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, divisor, out, out_vec);
-      break;
-    case 2:
-      decode_kernel<2, OutT>
-          <<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, divisor, out, out_vec);
-      break;
-    case 4:
-      decode_kernel<4, OutT>
-          <<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, divisor, out, out_vec);
-      break;
-    default:
-      decode_kernel<8, OutT>
-          <<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, divisor, out, out_vec);
-      break;
-  }
-  return cudaGetLastError();
-}
-
-template <int kBits>
-cudaError_t launch_requantize_bits(const PayloadRows& rows, float* residual, float divisor,
-                                   const EncodeParams& p, int64_t ctas, cudaStream_t stream) {
-  const SumSource<kBits> src{payload_view(rows), residual, rows.numel, divisor,
-                             aligned16(residual)};
-  return launch_encode_bits<SumSource<kBits>, kBits>(src, p, ctas, stream);
-}
-
 }  // namespace
 
 cudaError_t launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
   if (!valid_bits_block(a.bits, a.block_size) || a.numel < 0) return cudaErrorInvalidValue;
   if (a.numel == 0) return cudaSuccess;
-  EncodeParams p{};
-  const int64_t ctas = encode_geometry(a.numel, a.bits, a.block_size, p);
+  EncodeParams p;
+  const int64_t ctas = encode_params(a.numel, a.bits, a.block_size, a.stochastic, a.rng_key,
+                                     a.rng_offset, a.out, a.residual != nullptr, p);
   if (!grid_fits(ctas)) return cudaErrorInvalidValue;
-  p.stochastic = a.stochastic;
-  p.rng_key = a.rng_key;
-  p.rng_offset = a.rng_offset;
-  p.out = a.out;
-  p.out_aligned = (reinterpret_cast<uintptr_t>(a.out) & 3u) == 0;
-  p.residual = a.residual != nullptr;
-  switch (a.x_type) {
-    case FloatType::kFloat32:
-      return launch_quantize_typed<float>(a, p, ctas, stream);
-    case FloatType::kFloat16:
-      return launch_quantize_typed<__half>(a, p, ctas, stream);
-    case FloatType::kBFloat16:
-      return launch_quantize_typed<__nv_bfloat16>(a, p, ctas, stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_float_type(a.x_type, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* x = static_cast<const T*>(a.x);
+    const QuantizeSource<T> src{x, a.residual, a.numel, aligned16(x), aligned16(a.residual)};
+    return with_bits(a.bits, [&](auto b) {
+      return launch_encode_bits<QuantizeSource<T>, decltype(b)::value>(src, p, ctas, stream);
+    });
+  });
 }
 
 cudaError_t launch_dequantize_sum(const PayloadRows& p, int64_t divisor, void* out,
@@ -763,16 +666,19 @@ cudaError_t launch_dequantize_sum(const PayloadRows& p, int64_t divisor, void* o
     return cudaErrorInvalidValue;
   }
   if (p.numel == 0) return cudaSuccess;
+  const int64_t ctas = (p.numel + (int64_t)kThreads * kVec - 1) / ((int64_t)kThreads * kVec);
+  if (!grid_fits(ctas)) return cudaErrorInvalidValue;
+  const PayloadView pv = payload_view(p);
   const float div = (float)divisor;
-  switch (out_type) {
-    case FloatType::kFloat32:
-      return launch_decode_typed(p, div, static_cast<float*>(out), stream);
-    case FloatType::kFloat16:
-      return launch_decode_typed(p, div, static_cast<__half*>(out), stream);
-    case FloatType::kBFloat16:
-      return launch_decode_typed(p, div, static_cast<__nv_bfloat16*>(out), stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_float_type(out_type, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* o = static_cast<T*>(out);
+    return with_bits(p.bits, [&](auto b) {
+      decode_kernel<decltype(b)::value, T>
+          <<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, div, o, aligned16(o));
+      return cudaGetLastError();
+    });
+  });
 }
 
 cudaError_t launch_dequantize_sum_requantize(const PayloadRows& rows, float* residual,
@@ -784,26 +690,16 @@ cudaError_t launch_dequantize_sum_requantize(const PayloadRows& rows, float* res
     return cudaErrorInvalidValue;
   }
   if (rows.numel == 0) return cudaSuccess;
-  EncodeParams p{};
-  const int64_t ctas = encode_geometry(rows.numel, rows.bits, rows.block_size, p);
+  EncodeParams p;
+  const int64_t ctas = encode_params(rows.numel, rows.bits, rows.block_size, stochastic, rng_key,
+                                     rng_offset, out, residual != nullptr, p);
   if (!grid_fits(ctas)) return cudaErrorInvalidValue;
-  p.stochastic = stochastic;
-  p.rng_key = rng_key;
-  p.rng_offset = rng_offset;
-  p.out = out;
-  p.out_aligned = (reinterpret_cast<uintptr_t>(out) & 3u) == 0;
-  p.residual = residual != nullptr;
-  const float div = (float)divisor;
-  switch (rows.bits) {
-    case 1:
-      return launch_requantize_bits<1>(rows, residual, div, p, ctas, stream);
-    case 2:
-      return launch_requantize_bits<2>(rows, residual, div, p, ctas, stream);
-    case 4:
-      return launch_requantize_bits<4>(rows, residual, div, p, ctas, stream);
-    default:
-      return launch_requantize_bits<8>(rows, residual, div, p, ctas, stream);
-  }
+  return with_bits(rows.bits, [&](auto b) {
+    constexpr int kBits = decltype(b)::value;
+    const SumSource<kBits> src{payload_view(rows), residual, rows.numel, (float)divisor,
+                               aligned16(residual)};
+    return launch_encode_bits<SumSource<kBits>, kBits>(src, p, ctas, stream);
+  });
 }
 
 }  // namespace cuda

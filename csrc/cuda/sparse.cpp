@@ -11,7 +11,6 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -21,20 +20,11 @@
 
 #include "../checks.h"
 #include "../numerics.h"
+#include "binding.h"
 #include "launchers.h"
 
 namespace ddpcomm {
 namespace {
-
-cuda::FloatType float_type(at::ScalarType t) {
-  if (t == at::kHalf) return cuda::FloatType::kFloat16;
-  if (t == at::kBFloat16) return cuda::FloatType::kBFloat16;
-  return cuda::FloatType::kFloat32;
-}
-
-void check_on_cuda(const at::Tensor& t, const char* arg, const char* op) {
-  TORCH_CHECK(t.is_cuda(), op, ": ", arg, " must be a CUDA tensor, got one on ", t.device());
-}
 
 at::Tensor bytes(int64_t n, const at::Tensor& like) {
   return at::empty({n}, like.options().dtype(at::kByte));
@@ -55,7 +45,7 @@ void topk_compress_into_cuda(const at::Tensor& x, const std::optional<at::Tensor
               x.device());
   check_on_cuda(x, "x", op);
   const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream();
   const int64_t n = x.numel();
   const at::Tensor xc = x.contiguous();
   const bool aligned = reinterpret_cast<uintptr_t>(packed.data_ptr()) % 4 == 0;
@@ -118,7 +108,7 @@ void accumulate_rows(const at::Tensor& payloads, const at::Tensor& out, int64_t 
               " but payloads are on ", payloads.device());
   check_on_cuda(payloads, "payloads", op);
   const c10::cuda::CUDAGuard guard(payloads.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream();
   const at::Tensor pc = payloads.contiguous();
   const int64_t rows = pc.size(0);
   const cuda::SparsePayloads p{pc.data_ptr<uint8_t>(), rows, pc.size(1), k, numel,
@@ -184,7 +174,7 @@ at::Tensor randk_compress_cuda(const at::Tensor& x, const std::optional<at::Tens
   C10_CUDA_CHECK(cuda::launch_randk_compress(
       xc.data_ptr(), float_type(x.scalar_type()), residual ? residual->data_ptr<float>() : nullptr,
       x.numel(), k, randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket),
-      values.data_ptr<float>(), flag.data_ptr<int32_t>(), c10::cuda::getCurrentCUDAStream()));
+      values.data_ptr<float>(), flag.data_ptr<int32_t>(), current_stream()));
   return values;
 }
 
@@ -204,7 +194,7 @@ void randk_decompress_into_cuda(const at::Tensor& values, const at::Tensor& out,
   const at::Tensor vf = values.to(at::kFloat).contiguous();
   C10_CUDA_CHECK(cuda::launch_randk_decompress(
       vf.data_ptr<float>(), numel, k, randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket),
-      divisor, out.data_ptr(), float_type(out.scalar_type()), c10::cuda::getCurrentCUDAStream()));
+      divisor, out.data_ptr(), float_type(out.scalar_type()), current_stream()));
 }
 
 at::Tensor randk_decompress_cuda(const at::Tensor& values, int64_t numel, int64_t seed,

@@ -30,12 +30,11 @@
 //
 // randk: an elementwise pass (EF add, non-finite flag) and one thread per stratum.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include "../numerics.h"
+#include "elements.cuh"
 #include "launchers.h"
 
 namespace ddpcomm {
@@ -46,45 +45,6 @@ constexpr int kThreads = 256;
 constexpr int kRounds = 16;
 constexpr int64_t kTile = (int64_t)kThreads * kRounds;  // 4096 elements
 constexpr int kWarps = kThreads / 32;
-
-__device__ __forceinline__ float canonical_nan() { return __int_as_float(0x7fc00000); }
-
-// ---------------------------------------------------------------------------------------
-// Element access (explicit intrinsics: torch builds with __CUDA_NO_HALF_CONVERSIONS__).
-// ---------------------------------------------------------------------------------------
-
-__device__ __forceinline__ float load_elem(const void* p, FloatType t, int64_t i) {
-  switch (t) {
-    case FloatType::kFloat16:
-      return __half2float(static_cast<const __half*>(p)[i]);
-    case FloatType::kBFloat16:
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    default:
-      return static_cast<const float*>(p)[i];
-  }
-}
-
-// Stores v cast to t (round to nearest even, as torch) at element i; returns the stored value
-// widened back to float.
-__device__ __forceinline__ float store_elem(void* p, FloatType t, int64_t i, float v) {
-  switch (t) {
-    case FloatType::kFloat16: {
-      const __half h = __float2half_rn(v);
-      static_cast<__half*>(p)[i] = h;
-      return __half2float(h);
-    }
-    case FloatType::kBFloat16: {
-      const __nv_bfloat16 h = __float2bfloat16_rn(v);
-      static_cast<__nv_bfloat16*>(p)[i] = h;
-      return __bfloat162float(h);
-    }
-    default:
-      static_cast<float*>(p)[i] = v;
-      return v;
-  }
-}
-
-int elem_bytes(FloatType t) { return t == FloatType::kFloat32 ? 4 : 2; }
 
 // Little-endian reads that tolerate any alignment (payload rows of fp16 values with odd k start 2
 // bytes off a word boundary).
@@ -97,8 +57,7 @@ __device__ __forceinline__ int32_t load_i32(const uint8_t* p, bool aligned) {
 __device__ __forceinline__ float load_value(const uint8_t* p, FloatType t, bool aligned) {
   if (t == FloatType::kFloat32) return __int_as_float(load_i32(p, aligned));
   const uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
-  if (t == FloatType::kFloat16) return __half2float(__ushort_as_half((unsigned short)h));
-  return __uint_as_float(h << 16);
+  return t == FloatType::kFloat16 ? half_bits_to_float(h) : bf16_bits_to_float(h);
 }
 
 // ---------------------------------------------------------------------------------------
