@@ -181,14 +181,18 @@ def test_opcheck_every_op():
     x = _input(1000, torch.float32)
     r = torch.zeros(1000)
     payloads = torch.stack([ops.quantize(x, None, 4, 64), ops.quantize(-x, None, 4, 64)])
+    packed = torch.empty(ops.payload_bytes(1000, 4, 64), dtype=torch.uint8)
     cases = [
-        (torch.ops.ddpcomm.quantize.default, (x, r, 4, 64, True, 1, 2, 3)),
-        (torch.ops.ddpcomm.quantize.default, (x, None, 8, 64, False, 0, 0, 0)),
-        (torch.ops.ddpcomm.dequantize.default, (payloads[0], 1000, 4, 64, torch.float16)),
-        (torch.ops.ddpcomm.dequantize_sum.default, (payloads, 1000, 4, 64, 2, torch.float32)),
+        (torch.ops.ddpcomm.quantize_into.default, (x, r, packed, 4, 64, True, 1, 2, 3)),
+        (torch.ops.ddpcomm.quantize_into.default, (x, None, packed, 4, 64, False, 0, 0, 0)),
         (
-            torch.ops.ddpcomm.dequantize_sum_requantize.default,
-            (payloads, r, 1000, 4, 64, 2, False, 0, 0, 0),
+            torch.ops.ddpcomm.dequantize_sum_into.default,
+            (payloads[:1], torch.empty(1000, dtype=torch.float16), 4, 64, 1),
+        ),
+        (torch.ops.ddpcomm.dequantize_sum_into.default, (payloads, torch.empty(1000), 4, 64, 2)),
+        (
+            torch.ops.ddpcomm.dequantize_sum_requantize_into.default,
+            (payloads, r, packed, 1000, 4, 64, 2, False, 0, 0, 0),
         ),
     ]
     for op, args in cases:

@@ -271,20 +271,27 @@ def test_randk_error_feedback_conserves_e():
 def test_opcheck_every_op():
     n, k = 1000, 10
     x = gen(n, torch.float32)
+    packed = torch.empty(k * 8, dtype=torch.uint8)
     for approximate in (False, True):
         torch.library.opcheck(
-            torch.ops.ddpcomm.topk_compress, (x, torch.zeros(n), k, approximate, 1, 2, None)
+            torch.ops.ddpcomm.topk_compress_into,
+            (x, torch.zeros(n), packed, k, approximate, 1, 2, None),
         )
     torch.library.opcheck(
-        torch.ops.ddpcomm.topk_compress, (x.half(), None, k, False, 0, 0, torch.bfloat16)
+        torch.ops.ddpcomm.topk_compress_into,
+        (x.half(), None, torch.empty(k * 6, dtype=torch.uint8), k, False, 0, 0, torch.bfloat16),
     )
     rows = torch.stack([ops.topk_compress(gen(n, torch.float32, r), None, k) for r in range(2)])
     torch.library.opcheck(
-        torch.ops.ddpcomm.sparse_accumulate, (rows, n, k, 2, torch.float32, torch.bfloat16)
+        torch.ops.ddpcomm.sparse_accumulate_into,
+        (rows, torch.empty(n, dtype=torch.bfloat16), torch.empty(n), k, 2, torch.float32),
     )
-    torch.library.opcheck(torch.ops.ddpcomm.randk_compress, (x, torch.zeros(n), k, 1, 2, 3))
     torch.library.opcheck(
-        torch.ops.ddpcomm.randk_decompress, (torch.ones(k), n, 1, 2, 3, 2, torch.float16)
+        torch.ops.ddpcomm.randk_compress_into, (x, torch.zeros(n), torch.empty(k), 1, 2, 3)
+    )
+    torch.library.opcheck(
+        torch.ops.ddpcomm.randk_decompress_into,
+        (torch.ones(k), torch.empty(n, dtype=torch.float16), 1, 2, 3, 2),
     )
 
 
@@ -402,17 +409,9 @@ def test_out_variants_opcheck_and_bad_input():
     n, k = 1000, 10
     rows = torch.stack([ops.topk_compress(gen(n, torch.float32, r), None, k) for r in range(2)])
     torch.library.opcheck(
-        torch.ops.ddpcomm.sparse_accumulate_into,
-        (rows, torch.empty(n, dtype=torch.bfloat16), torch.empty(n), k, 2, torch.float32),
-    )
-    torch.library.opcheck(
         torch.ops.ddpcomm.randk_decompress_into, (torch.ones(k), torch.empty(n), 1, 2, 3, 2)
     )
     x = gen(n, torch.float32)
-    torch.library.opcheck(
-        torch.ops.ddpcomm.topk_compress_into,
-        (x, torch.zeros(n), torch.empty(k * 8, dtype=torch.uint8), k, True, 1, 2, None),
-    )
     with pytest.raises(RuntimeError, match="out must be a contiguous 1-D uint8"):
         ops.topk_compress(x, None, k, out=torch.empty(k * 8 - 1, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="needs a float32 scratch"):

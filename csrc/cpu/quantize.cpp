@@ -1,5 +1,6 @@
-// CPU implementations of the quantizer ops: quantize, dequantize, dequantize_sum,
-// dequantize_sum_requantize. Every bit of output comes from csrc/numerics.h.
+// CPU implementations of the quantizer ops: quantize_into, dequantize_sum_into (which is also
+// ops.dequantize) and dequantize_sum_requantize_into. Every bit of output comes from
+// csrc/numerics.h.
 //
 // Work is split over blocks with at::parallel_for; each block is staged in a small fp32
 // buffer so the per-element loops are straight-line and vectorize.
@@ -131,9 +132,8 @@ struct Scratch {
 void quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                        const at::Tensor& packed, int64_t bits, int64_t block_size, bool stochastic,
                        int64_t seed, int64_t step, int64_t rng_offset) {
-  check_quantize_args(x, residual, bits, block_size, "quantize");
+  check_quantize(x, residual, packed, bits, block_size);
   const int64_t n = x.numel();
-  check_out(packed, at::kByte, payload_bytes(n, block_size, (int)bits), x.device(), "quantize");
   const at::Tensor xc = x.contiguous();
   float* res = residual ? residual->data_ptr<float>() : nullptr;
   uint8_t* out = packed.data_ptr<uint8_t>();
@@ -167,49 +167,6 @@ void quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& res
   });
 }
 
-at::Tensor quantize_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                        int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
-                        int64_t step, int64_t rng_offset) {
-  check_bits_block(bits, block_size, "quantize");
-  auto packed =
-      at::empty({payload_bytes(x.numel(), block_size, (int)bits)}, x.options().dtype(at::kByte));
-  quantize_into_cpu(x, residual, packed, bits, block_size, stochastic, seed, step, rng_offset);
-  return packed;
-}
-
-void dequantize_into_cpu(const at::Tensor& packed, const at::Tensor& result, int64_t bits,
-                         int64_t block_size) {
-  const int64_t numel = result.numel();
-  const at::ScalarType dtype = result.scalar_type();
-  check_payloads(packed, 1, numel, bits, block_size, dtype, "dequantize");
-  check_out(result, dtype, numel, packed.device(), "dequantize");
-  const int64_t B = block_size, nb = num_blocks(numel, B), rec = record_bytes(B, (int)bits);
-  const uint8_t* in = packed.data_ptr<uint8_t>();
-  const AccumulateFn accumulate = pick_accumulator((int)bits);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "dequantize", [&] {
-    scalar_t* op = result.data_ptr<scalar_t>();
-    at::parallel_for(0, nb, grain_blocks(B), [&](int64_t b0, int64_t b1) {
-      std::vector<float> acc(B);
-      std::vector<uint8_t> codes(B);
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t start = blk * B, valid = std::min(B, numel - start);
-        // 0 + v == v for every v the codes produce (never -0), so this is a plain decode.
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        accumulate(in + blk * rec, valid, acc.data(), codes.data());
-        for (int64_t j = 0; j < valid; ++j) op[start + j] = static_cast<scalar_t>(acc[j]);
-      }
-    });
-  });
-}
-
-at::Tensor dequantize_cpu(const at::Tensor& packed, int64_t numel, int64_t bits, int64_t block_size,
-                          at::ScalarType dtype) {
-  check_payloads(packed, 1, numel, bits, block_size, dtype, "dequantize");
-  auto result = at::empty({numel}, packed.options().dtype(dtype));
-  dequantize_into_cpu(packed, result, bits, block_size);
-  return result;
-}
-
 // Sums block `blk` of every payload row into acc[0, valid), in row order.
 void sum_rows(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t blk, int64_t rec,
               int64_t valid, AccumulateFn accumulate, float* acc, uint8_t* codes) {
@@ -219,11 +176,9 @@ void sum_rows(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t blk, i
 
 void dequantize_sum_into_cpu(const at::Tensor& payloads, const at::Tensor& result, int64_t bits,
                              int64_t block_size, int64_t divisor) {
+  check_dequantize_sum(payloads, result, bits, block_size, divisor);
   const int64_t numel = result.numel();
   const at::ScalarType dtype = result.scalar_type();
-  check_payloads(payloads, 2, numel, bits, block_size, dtype, "dequantize_sum");
-  check_out(result, dtype, numel, payloads.device(), "dequantize_sum");
-  TORCH_CHECK(divisor >= 1, "dequantize_sum: divisor must be >= 1, got ", divisor);
   const at::Tensor pc = payloads.contiguous();
   const int64_t B = block_size, nb = num_blocks(numel, B), rec = record_bytes(B, (int)bits);
   const int64_t rows = pc.size(0), row_bytes = pc.size(1);
@@ -244,26 +199,15 @@ void dequantize_sum_into_cpu(const at::Tensor& payloads, const at::Tensor& resul
   });
 }
 
-at::Tensor dequantize_sum_cpu(const at::Tensor& payloads, int64_t numel, int64_t bits,
-                              int64_t block_size, int64_t divisor, at::ScalarType dtype) {
-  check_payloads(payloads, 2, numel, bits, block_size, dtype, "dequantize_sum");
-  auto result = at::empty({numel}, payloads.options().dtype(dtype));
-  dequantize_sum_into_cpu(payloads, result, bits, block_size, divisor);
-  return result;
-}
-
-at::Tensor dequantize_sum_requantize_cpu(const at::Tensor& payloads,
-                                         const std::optional<at::Tensor>& residual, int64_t numel,
-                                         int64_t bits, int64_t block_size, int64_t divisor,
-                                         bool stochastic, int64_t seed, int64_t step,
-                                         int64_t rng_offset) {
-  check_payloads(payloads, 2, numel, bits, block_size, at::kFloat, "dequantize_sum_requantize");
-  check_residual(residual, numel, payloads.device(), "dequantize_sum_requantize");
-  TORCH_CHECK(divisor >= 1, "dequantize_sum_requantize: divisor must be >= 1, got ", divisor);
+void dequantize_sum_requantize_into_cpu(const at::Tensor& payloads,
+                                        const std::optional<at::Tensor>& residual,
+                                        const at::Tensor& packed, int64_t numel, int64_t bits,
+                                        int64_t block_size, int64_t divisor, bool stochastic,
+                                        int64_t seed, int64_t step, int64_t rng_offset) {
+  check_dequantize_sum_requantize(payloads, residual, packed, numel, bits, block_size, divisor);
   const at::Tensor pc = payloads.contiguous();
   const int64_t B = block_size, nb = num_blocks(numel, B), rec = record_bytes(B, (int)bits);
   const int64_t rows = pc.size(0), row_bytes = pc.size(1);
-  auto packed = at::empty({nb * rec}, payloads.options());
   const uint8_t* in = pc.data_ptr<uint8_t>();
   uint8_t* out = packed.data_ptr<uint8_t>();
   float* res = residual ? residual->data_ptr<float>() : nullptr;
@@ -289,19 +233,14 @@ at::Tensor dequantize_sum_requantize_cpu(const at::Tensor& payloads,
       }
     }
   });
-  return packed;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ddpcomm, CPU, m) {
-  m.impl("quantize", &quantize_cpu);
-  m.impl("dequantize", &dequantize_cpu);
-  m.impl("dequantize_sum", &dequantize_sum_cpu);
-  m.impl("dequantize_sum_requantize", &dequantize_sum_requantize_cpu);
   m.impl("quantize_into", &quantize_into_cpu);
-  m.impl("dequantize_into", &dequantize_into_cpu);
   m.impl("dequantize_sum_into", &dequantize_sum_into_cpu);
+  m.impl("dequantize_sum_requantize_into", &dequantize_sum_requantize_into_cpu);
 }
 
 }  // namespace ddpcomm

@@ -1,4 +1,4 @@
-// CPU implementations of the top-k ops: topk_compress(_into) and sparse_accumulate(_into).
+// CPU implementations of the top-k ops: topk_compress_into and sparse_accumulate_into.
 // Selection order, sampling and the payload layout come from csrc/numerics.h
 // ("Sparsification"); ddpcomm/reference.py states the semantics. Random-k: randk.cpp.
 //
@@ -361,11 +361,7 @@ void emit_padded(const std::vector<Candidates>& cands, int64_t k, const PayloadW
 void topk_compress_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                             const at::Tensor& packed, int64_t k, bool approximate, int64_t seed,
                             int64_t step, std::optional<at::ScalarType> value_dtype) {
-  const char* op = "topk_compress";
-  check_sparse_input(x, residual, k, op);
-  const at::ScalarType vtype = value_dtype.value_or(at::kFloat);
-  check_value_dtype(vtype, op);
-  check_topk_out(packed, k, vtype, op);
+  const at::ScalarType vtype = check_topk_compress(x, residual, packed, k, value_dtype);
   const int64_t n = x.numel();
   const at::Tensor xc = x.contiguous();
   float* res = residual ? residual->data_ptr<float>() : nullptr;
@@ -407,18 +403,6 @@ void topk_compress_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>
   });
 }
 
-at::Tensor topk_compress_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                             int64_t k, bool approximate, int64_t seed, int64_t step,
-                             std::optional<at::ScalarType> value_dtype) {
-  check_value_dtype(value_dtype.value_or(at::kFloat), "topk_compress");
-  check_sparse_numel_k(x.numel(), k, "topk_compress");
-  at::Tensor packed =
-      at::empty({topk_payload_bytes(k, at::elementSize(value_dtype.value_or(at::kFloat)))},
-                x.options().dtype(at::kByte));
-  topk_compress_into_cpu(x, residual, packed, k, approximate, seed, step, value_dtype);
-  return packed;
-}
-
 // Checks that every row's indices are strictly increasing and below numel, so rows can be
 // scattered in parallel without races and never write out of bounds.
 void check_rows(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t k, int64_t numel) {
@@ -456,11 +440,8 @@ void scatter_add_row(const uint8_t* row, int64_t k, float* acc) {
 // `acc` itself when it is float32). Both are caller-owned, so the hot path allocates
 // nothing: a fresh bucket-sized tensor costs more in first-touch page faults than the sum.
 void accumulate_rows(const at::Tensor& payloads, float* acc, const at::Tensor& out, int64_t k,
-                     int64_t divisor, at::ScalarType value_dtype, const char* op) {
+                     int64_t divisor, at::ScalarType value_dtype) {
   const int64_t numel = out.numel();
-  check_sparse_payloads(payloads, numel, k, value_dtype, op);
-  check_divisor_dtype(divisor, out.scalar_type(), op);
-  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
   const at::Tensor pc = payloads.contiguous();
   const int64_t rows = pc.size(0), row_bytes = pc.size(1);
   const uint8_t* in = pc.data_ptr<uint8_t>();
@@ -490,38 +471,14 @@ void accumulate_rows(const at::Tensor& payloads, float* acc, const at::Tensor& o
 void sparse_accumulate_into_cpu(const at::Tensor& payloads, const at::Tensor& out,
                                 const std::optional<at::Tensor>& scratch, int64_t k,
                                 int64_t divisor, at::ScalarType value_dtype) {
-  const char* op = "sparse_accumulate_into";
-  if (out.scalar_type() == at::kFloat) {
-    accumulate_rows(payloads, out.data_ptr<float>(), out, k, divisor, value_dtype, op);
-    return;
-  }
-  TORCH_CHECK(scratch.has_value(), op,
-              ": a float16/bfloat16 out needs a float32 scratch of out.numel() elements, "
-              "got none");
-  TORCH_CHECK(scratch->scalar_type() == at::kFloat && scratch->is_contiguous() &&
-                  scratch->numel() == out.numel(),
-              op, ": scratch must be a contiguous float32 tensor of ", out.numel(),
-              " elements, got ", scratch->scalar_type(), " of ", scratch->numel());
-  accumulate_rows(payloads, scratch->data_ptr<float>(), out, k, divisor, value_dtype, op);
-}
-
-at::Tensor sparse_accumulate_cpu(const at::Tensor& payloads, int64_t numel, int64_t k,
-                                 int64_t divisor, at::ScalarType value_dtype,
-                                 at::ScalarType dtype) {
-  const char* op = "sparse_accumulate";
-  check_sparse_numel_k(numel, k, op);
-  check_divisor_dtype(divisor, dtype, op);
-  at::Tensor acc = at::empty({numel}, payloads.options().dtype(at::kFloat));
-  at::Tensor out = dtype == at::kFloat ? acc : at::empty({numel}, acc.options().dtype(dtype));
-  accumulate_rows(payloads, acc.data_ptr<float>(), out, k, divisor, value_dtype, op);
-  return out;
+  check_sparse_accumulate(payloads, out, scratch, k, divisor, value_dtype);
+  float* acc = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : scratch->data_ptr<float>();
+  accumulate_rows(payloads, acc, out, k, divisor, value_dtype);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ddpcomm, CPU, m) {
-  m.impl("topk_compress", &topk_compress_cpu);
-  m.impl("sparse_accumulate", &sparse_accumulate_cpu);
   m.impl("topk_compress_into", &topk_compress_into_cpu);
   m.impl("sparse_accumulate_into", &sparse_accumulate_into_cpu);
 }

@@ -1,5 +1,5 @@
-// CUDA implementations of the sparsification ops (topk_compress, sparse_accumulate,
-// randk_compress, randk_decompress): the torch side only. Checks are the CPU ops'
+// CUDA implementations of the sparsification ops (topk_compress_into, sparse_accumulate_into,
+// randk_compress_into, randk_decompress_into): the torch side only. Checks are the CPU ops'
 // (csrc/checks.h); workspaces come from torch's caching allocator; the kernels
 // (sparse_kernels.cu) run on the current stream of the input's device.
 //
@@ -36,14 +36,8 @@ at::Tensor bytes(int64_t n, const at::Tensor& like) {
 void topk_compress_into_cuda(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                              const at::Tensor& packed, int64_t k, bool approximate, int64_t seed,
                              int64_t step, std::optional<at::ScalarType> value_dtype) {
-  const char* op = "topk_compress";
-  check_sparse_input(x, residual, k, op);
-  const at::ScalarType vtype = value_dtype.value_or(at::kFloat);
-  check_value_dtype(vtype, op);
-  check_topk_out(packed, k, vtype, op);
-  TORCH_CHECK(packed.device() == x.device(), op, ": out is on ", packed.device(), " but x is on ",
-              x.device());
-  check_on_cuda(x, "x", op);
+  const at::ScalarType vtype = check_topk_compress(x, residual, packed, k, value_dtype);
+  check_on_cuda(x, "x", "topk_compress");
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream();
   const int64_t n = x.numel();
@@ -85,28 +79,16 @@ void topk_compress_into_cuda(const at::Tensor& x, const std::optional<at::Tensor
   if (!aligned) packed.copy_(dst);
 }
 
-at::Tensor topk_compress_cuda(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                              int64_t k, bool approximate, int64_t seed, int64_t step,
-                              std::optional<at::ScalarType> value_dtype) {
-  check_value_dtype(value_dtype.value_or(at::kFloat), "topk_compress");
-  check_sparse_numel_k(x.numel(), k, "topk_compress");
-  at::Tensor packed =
-      bytes(topk_payload_bytes(k, at::elementSize(value_dtype.value_or(at::kFloat))), x);
-  topk_compress_into_cuda(x, residual, packed, k, approximate, seed, step, value_dtype);
-  return packed;
-}
-
-// The CPU op's checks (accumulate_rows), then: validate every row's indices on the device,
-// raise like the CPU op for the first bad row, else sum the rows in rank order into `out`.
-void accumulate_rows(const at::Tensor& payloads, const at::Tensor& out, int64_t k, int64_t divisor,
-                     at::ScalarType value_dtype, const char* op) {
-  const int64_t numel = out.numel();
-  check_sparse_payloads(payloads, numel, k, value_dtype, op);
-  check_divisor_dtype(divisor, out.scalar_type(), op);
-  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
-  TORCH_CHECK(out.device() == payloads.device(), op, ": out is on ", out.device(),
-              " but payloads are on ", payloads.device());
+// Validates every row's indices on the device, raises like the CPU op for the first bad row,
+// else sums the rows in rank order into `out`. `scratch` (the CPU op's fp32 accumulator for a
+// 16-bit out) is checked, not used: the kernel sums each output tile in shared memory.
+void sparse_accumulate_into_cuda(const at::Tensor& payloads, const at::Tensor& out,
+                                 const std::optional<at::Tensor>& scratch, int64_t k,
+                                 int64_t divisor, at::ScalarType value_dtype) {
+  const char* op = "sparse_accumulate";
+  check_sparse_accumulate(payloads, out, scratch, k, divisor, value_dtype);
   check_on_cuda(payloads, "payloads", op);
+  const int64_t numel = out.numel();
   const c10::cuda::CUDAGuard guard(payloads.device());
   const cudaStream_t stream = current_stream();
   const at::Tensor pc = payloads.contiguous();
@@ -132,64 +114,25 @@ void accumulate_rows(const at::Tensor& payloads, const at::Tensor& out, int64_t 
                                                 stream));
 }
 
-// `scratch` is the CPU op's fp32 accumulator for a 16-bit out. The CUDA kernel sums each
-// output tile in shared memory and never needs it, but the argument contract is the CPU
-// op's, checked the same way, so a call that works on one device works on the other.
-void sparse_accumulate_into_cuda(const at::Tensor& payloads, const at::Tensor& out,
-                                 const std::optional<at::Tensor>& scratch, int64_t k,
-                                 int64_t divisor, at::ScalarType value_dtype) {
-  const char* op = "sparse_accumulate_into";
-  if (out.scalar_type() != at::kFloat) {
-    TORCH_CHECK(scratch.has_value(), op,
-                ": a float16/bfloat16 out needs a float32 scratch of out.numel() elements, "
-                "got none");
-    TORCH_CHECK(scratch->scalar_type() == at::kFloat && scratch->is_contiguous() &&
-                    scratch->numel() == out.numel(),
-                op, ": scratch must be a contiguous float32 tensor of ", out.numel(),
-                " elements, got ", scratch->scalar_type(), " of ", scratch->numel());
-  }
-  accumulate_rows(payloads, out, k, divisor, value_dtype, op);
-}
-
-at::Tensor sparse_accumulate_cuda(const at::Tensor& payloads, int64_t numel, int64_t k,
-                                  int64_t divisor, at::ScalarType value_dtype,
-                                  at::ScalarType dtype) {
-  const char* op = "sparse_accumulate";
-  check_sparse_numel_k(numel, k, op);
-  check_divisor_dtype(divisor, dtype, op);
-  at::Tensor out = at::empty({numel}, payloads.options().dtype(dtype));
-  accumulate_rows(payloads, out, k, divisor, value_dtype, op);
-  return out;
-}
-
-at::Tensor randk_compress_cuda(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                               int64_t k, int64_t seed, int64_t step, int64_t bucket) {
-  const char* op = "randk_compress";
-  check_sparse_input(x, residual, k, op);
-  check_on_cuda(x, "x", op);
+void randk_compress_into_cuda(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                              const at::Tensor& values, int64_t seed, int64_t step,
+                              int64_t bucket) {
+  check_randk_compress(x, residual, values);
+  check_on_cuda(x, "x", "randk_compress");
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor xc = x.contiguous();
-  at::Tensor values = at::empty({k}, x.options().dtype(at::kFloat));
   at::Tensor flag = at::empty({1}, x.options().dtype(at::kInt));
   C10_CUDA_CHECK(cuda::launch_randk_compress(
       xc.data_ptr(), float_type(x.scalar_type()), residual ? residual->data_ptr<float>() : nullptr,
-      x.numel(), k, randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket),
+      x.numel(), values.numel(), randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket),
       values.data_ptr<float>(), flag.data_ptr<int32_t>(), current_stream()));
-  return values;
 }
 
 void randk_decompress_into_cuda(const at::Tensor& values, const at::Tensor& out, int64_t seed,
                                 int64_t step, int64_t bucket, int64_t divisor) {
-  const char* op = "randk_decompress";
-  check_float_tensor(values, "values", op);
-  TORCH_CHECK(values.dim() == 1, op, ": values must be 1-D, got ", values.dim(), " dimensions");
-  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
+  check_randk_decompress(values, out, divisor);
+  check_on_cuda(values, "values", "randk_decompress");
   const int64_t k = values.numel(), numel = out.numel();
-  check_sparse_numel_k(numel, k, op);
-  check_divisor_dtype(divisor, out.scalar_type(), op);
-  TORCH_CHECK(out.device() == values.device(), op, ": out is on ", out.device(),
-              " but values are on ", values.device());
-  check_on_cuda(values, "values", op);
   const c10::cuda::CUDAGuard guard(values.device());
   const at::Tensor vf = values.to(at::kFloat).contiguous();
   C10_CUDA_CHECK(cuda::launch_randk_decompress(
@@ -197,25 +140,12 @@ void randk_decompress_into_cuda(const at::Tensor& values, const at::Tensor& out,
       divisor, out.data_ptr(), float_type(out.scalar_type()), current_stream()));
 }
 
-at::Tensor randk_decompress_cuda(const at::Tensor& values, int64_t numel, int64_t seed,
-                                 int64_t step, int64_t bucket, int64_t divisor,
-                                 at::ScalarType dtype) {
-  check_divisor_dtype(divisor, dtype, "randk_decompress");
-  check_sparse_numel_k(numel, values.numel(), "randk_decompress");
-  at::Tensor out = at::empty({numel}, values.options().dtype(dtype));
-  randk_decompress_into_cuda(values, out, seed, step, bucket, divisor);
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ddpcomm, CUDA, m) {
-  m.impl("topk_compress", &topk_compress_cuda);
-  m.impl("sparse_accumulate", &sparse_accumulate_cuda);
-  m.impl("randk_compress", &randk_compress_cuda);
-  m.impl("randk_decompress", &randk_decompress_cuda);
   m.impl("topk_compress_into", &topk_compress_into_cuda);
   m.impl("sparse_accumulate_into", &sparse_accumulate_into_cuda);
+  m.impl("randk_compress_into", &randk_compress_into_cuda);
   m.impl("randk_decompress_into", &randk_decompress_into_cuda);
 }
 
