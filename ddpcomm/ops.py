@@ -538,6 +538,7 @@ def sparse_accumulate(
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
     scratch: torch.Tensor | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Dense sum of N packed top-k payloads ([N, bytes] uint8) divided by ``divisor``.
 
@@ -545,6 +546,12 @@ def sparse_accumulate(
     present in several rows sums in rank order; the result is cast to ``dtype``. With
     ``out`` the result is written there (no allocation); a float16/bfloat16 ``out`` also
     needs ``scratch``, a float32 tensor of ``numel`` elements for the sum.
+
+    ``check`` validates every row's indices (strictly increasing, in [0, numel)) and raises
+    for a bad row before anything is added. On CUDA that reads the verdict back to the host,
+    a synchronization; ``check=False`` skips the validation for payloads made by
+    :func:`topk_compress` (the collectives' own). A malformed row then gives unspecified
+    sums, but nothing is written outside ``out``.
     """
     op = "sparse_accumulate"
     if out is None:
@@ -555,7 +562,7 @@ def sparse_accumulate(
             scratch = payloads.new_empty(numel, dtype=torch.float32)
     else:
         _check_out(out, numel, dtype, op)
-    _ops.sparse_accumulate_into(payloads, out, scratch, k, divisor, value_dtype)
+    _ops.sparse_accumulate_into(payloads, out, scratch, k, divisor, value_dtype, check)
     return out
 
 
@@ -608,7 +615,7 @@ def _(x, residual, out, k, approximate=False, seed=0, step=0, value_dtype=None):
 
 
 @torch.library.register_fake("ddpcomm::sparse_accumulate_into")
-def _(payloads, out, scratch, k, divisor, value_dtype):
+def _(payloads, out, scratch, k, divisor, value_dtype, check=True):
     op = "sparse_accumulate"
     if out.dtype != torch.float32:
         _check(

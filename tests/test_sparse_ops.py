@@ -424,3 +424,26 @@ def test_out_variants_opcheck_and_bad_input():
         )
     with pytest.raises(ValueError, match="out must have"):
         ops.sparse_accumulate(rows, n, k, 2, torch.float32, torch.float32, out=torch.empty(n + 1))
+
+
+def test_sparse_accumulate_unchecked_matches_checked():
+    n, k = 278011, 2781
+    rows = torch.stack([ops.topk_compress(gen(n, torch.float32, r), None, k) for r in range(3)])
+    for dtype in FLOATS:
+        want = ops.sparse_accumulate(rows, n, k, 3, torch.float32, dtype)
+        assert_bitwise(
+            ops.sparse_accumulate(rows, n, k, 3, torch.float32, dtype, check=False), want
+        )
+
+
+def test_sparse_accumulate_unchecked_bad_rows_stay_in_bounds():
+    # check=False trusts the payload: a bad one gives unspecified sums, but writes nothing
+    # outside `out` (here a view with sentinels on both sides).
+    idx = torch.tensor([3, 10, -1, 2**30], dtype=torch.int32)
+    p = torch.cat([idx.view(torch.uint8), torch.ones(4).view(torch.uint8)])
+    buf = torch.full((14,), 7.0)
+    ops.sparse_accumulate(
+        p[None], 10, 4, 1, torch.float32, torch.float32, out=buf[2:12], check=False
+    )
+    assert buf[:2].tolist() == [7.0, 7.0] and buf[12:].tolist() == [7.0, 7.0]
+    assert buf[5].item() == 1.0

@@ -427,12 +427,17 @@ void check_rows(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t k, i
   }
 }
 
+// Adds one row into acc. Indices outside [0, numel) are skipped, so rows that were not
+// validated (check=False) can give wrong sums but never write out of bounds.
 template <typename V>
-void scatter_add_row(const uint8_t* row, int64_t k, float* acc) {
+void scatter_add_row(const uint8_t* row, int64_t k, int64_t numel, float* acc) {
   const int32_t* idx = reinterpret_cast<const int32_t*>(row);
   const V* val = reinterpret_cast<const V*>(row + 4 * k);
   at::parallel_for(0, k, 1 << 14, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) acc[idx[j]] = acc[idx[j]] + static_cast<float>(val[j]);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t i = idx[j];
+      if (i >= 0 && i < numel) acc[i] = acc[i] + static_cast<float>(val[j]);
+    }
   });
 }
 
@@ -440,20 +445,21 @@ void scatter_add_row(const uint8_t* row, int64_t k, float* acc) {
 // `acc` itself when it is float32). Both are caller-owned, so the hot path allocates
 // nothing: a fresh bucket-sized tensor costs more in first-touch page faults than the sum.
 void accumulate_rows(const at::Tensor& payloads, float* acc, const at::Tensor& out, int64_t k,
-                     int64_t divisor, at::ScalarType value_dtype) {
+                     int64_t divisor, at::ScalarType value_dtype, bool check) {
   const int64_t numel = out.numel();
   const at::Tensor pc = payloads.contiguous();
   const int64_t rows = pc.size(0), row_bytes = pc.size(1);
   const uint8_t* in = pc.data_ptr<uint8_t>();
-  check_rows(in, rows, row_bytes, k, numel);
+  if (check) check_rows(in, rows, row_bytes, k, numel);
 
   at::parallel_for(0, numel, kChunk,
                    [&](int64_t i0, int64_t i1) { std::fill(acc + i0, acc + i1, 0.0f); });
   // Rank order: row r is added only after row r - 1, so duplicates across ranks sum in
   // rank order; within a row indices are distinct, so the row scatters in parallel.
   for (int64_t r = 0; r < rows; ++r) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, value_dtype, "sparse_accumulate",
-                                    [&] { scatter_add_row<scalar_t>(in + r * row_bytes, k, acc); });
+    AT_DISPATCH_FLOATING_TYPES_AND2(
+        at::kHalf, at::kBFloat16, value_dtype, "sparse_accumulate",
+        [&] { scatter_add_row<scalar_t>(in + r * row_bytes, k, numel, acc); });
   }
   if (divisor == 1 && out.scalar_type() == at::kFloat) return;
   const float div = (float)divisor;
@@ -470,10 +476,10 @@ void accumulate_rows(const at::Tensor& payloads, float* acc, const at::Tensor& o
 
 void sparse_accumulate_into_cpu(const at::Tensor& payloads, const at::Tensor& out,
                                 const std::optional<at::Tensor>& scratch, int64_t k,
-                                int64_t divisor, at::ScalarType value_dtype) {
+                                int64_t divisor, at::ScalarType value_dtype, bool check) {
   check_sparse_accumulate(payloads, out, scratch, k, divisor, value_dtype);
   float* acc = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : scratch->data_ptr<float>();
-  accumulate_rows(payloads, acc, out, k, divisor, value_dtype);
+  accumulate_rows(payloads, acc, out, k, divisor, value_dtype, check);
 }
 
 }  // namespace

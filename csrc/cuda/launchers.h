@@ -121,10 +121,12 @@ struct SparsePayloads {
 
 int64_t sparse_tiles(int64_t numel);
 // bad: rows int32 preset to INT32_MAX, left there for a valid row, else the first bad
-// position; start: rows * (sparse_tiles(numel) + 1) int32 (the tile boundary table).
+// position (nullptr: no validation); start: rows * (sparse_tiles(numel) + 1) int32 (the
+// tile boundary table).
 cudaError_t launch_sparse_index(const SparsePayloads& p, int32_t* bad, int32_t* start,
                                 cudaStream_t stream);
-// Only after launch_sparse_index found every row valid.
+// After launch_sparse_index. Rows it would have refused give unspecified sums, but no write
+// lands outside `out`.
 cudaError_t launch_sparse_accumulate(const SparsePayloads& p, const int32_t* start, int64_t divisor,
                                      void* out, FloatType out_type, cudaStream_t stream);
 

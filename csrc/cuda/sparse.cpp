@@ -79,12 +79,14 @@ void topk_compress_into_cuda(const at::Tensor& x, const std::optional<at::Tensor
   if (!aligned) packed.copy_(dst);
 }
 
-// Validates every row's indices on the device, raises like the CPU op for the first bad row,
-// else sums the rows in rank order into `out`. `scratch` (the CPU op's fp32 accumulator for a
-// 16-bit out) is checked, not used: the kernel sums each output tile in shared memory.
+// With `check`, validates every row's indices on the device and raises like the CPU op for
+// the first bad row before anything is scattered: reading the verdict back is a host
+// synchronization. Without it (the collectives' own payloads, made by topk_compress) nothing
+// is read back. Then sums the rows in rank order into `out`. `scratch` (the CPU op's fp32
+// accumulator for a 16-bit out) is checked, not used: the kernel sums in shared memory.
 void sparse_accumulate_into_cuda(const at::Tensor& payloads, const at::Tensor& out,
                                  const std::optional<at::Tensor>& scratch, int64_t k,
-                                 int64_t divisor, at::ScalarType value_dtype) {
+                                 int64_t divisor, at::ScalarType value_dtype, bool check) {
   const char* op = "sparse_accumulate";
   check_sparse_accumulate(payloads, out, scratch, k, divisor, value_dtype);
   check_on_cuda(payloads, "payloads", op);
@@ -96,18 +98,21 @@ void sparse_accumulate_into_cuda(const at::Tensor& payloads, const at::Tensor& o
   const cuda::SparsePayloads p{pc.data_ptr<uint8_t>(), rows, pc.size(1), k, numel,
                                float_type(value_dtype)};
   const int64_t tiles = cuda::sparse_tiles(numel);
-  at::Tensor bad = at::full({std::max<int64_t>(rows, 1)}, INT_MAX, pc.options().dtype(at::kInt));
   at::Tensor start = at::empty({rows * (tiles + 1)}, pc.options().dtype(at::kInt));
-  C10_CUDA_CHECK(
-      cuda::launch_sparse_index(p, bad.data_ptr<int32_t>(), start.data_ptr<int32_t>(), stream));
-  const at::Tensor bad_host = bad.cpu();  // synchronizes: a bad row raises before scattering
-  const int32_t* bh = bad_host.data_ptr<int32_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    if (bh[r] == INT_MAX) continue;
-    const int64_t j = bh[r];
-    const int32_t idx = pc[r].narrow(0, 4 * j, 4).cpu().view(at::kInt).item<int32_t>();
-    TORCH_CHECK(false, "sparse_accumulate: payloads row ", r, " holds index ", idx, " at position ",
-                j, ": indices must be strictly increasing and in [0, numel=", numel, ")");
+  at::Tensor bad;
+  if (check) bad = at::full({std::max<int64_t>(rows, 1)}, INT_MAX, pc.options().dtype(at::kInt));
+  C10_CUDA_CHECK(cuda::launch_sparse_index(p, check ? bad.data_ptr<int32_t>() : nullptr,
+                                           start.data_ptr<int32_t>(), stream));
+  if (check) {
+    const at::Tensor bad_host = bad.cpu();  // synchronizes: a bad row raises before scattering
+    const int32_t* bh = bad_host.data_ptr<int32_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      if (bh[r] == INT_MAX) continue;
+      const int64_t j = bh[r];
+      const int32_t idx = pc[r].narrow(0, 4 * j, 4).cpu().view(at::kInt).item<int32_t>();
+      TORCH_CHECK(false, op, ": payloads row ", r, " holds index ", idx, " at position ", j,
+                  ": indices must be strictly increasing and in [0, numel=", numel, ")");
+    }
   }
   C10_CUDA_CHECK(cuda::launch_sparse_accumulate(p, start.data_ptr<int32_t>(), divisor,
                                                 out.data_ptr(), float_type(out.scalar_type()),

@@ -415,7 +415,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t r = g / p.k, j = g - r * p.k;
     const int64_t idx = p.index(r, j);
     const int64_t prev = j > 0 ? (int64_t)p.index(r, j - 1) : -1;
-    if (idx <= prev || idx >= p.numel) atomicMin(&bad[r], (int32_t)j);
+    if (bad != nullptr && (idx <= prev || idx >= p.numel)) atomicMin(&bad[r], (int32_t)j);
     // Tiles (tile(prev), tile(idx)] start at entry j; clamped so bad rows stay in bounds.
     const int64_t t_prev = prev < 0 ? -1 : prev / kTile;
     int64_t t_hi = idx < 0 ? -1 : idx / kTile;
@@ -441,10 +441,11 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     const int32_t* row_start = start + r * (tiles + 1);
     const int64_t j0 = row_start[t], j1 = row_start[t + 1];
-    // Indices are distinct within a row: no two threads touch the same sum.
+    // Indices are distinct within a row: no two threads touch the same sum. An unvalidated
+    // row (check=False) may hold indices of another tile here: skipped, never out of bounds.
     for (int64_t j = j0 + threadIdx.x; j < j1; j += kThreads) {
       const int64_t i = p.index(r, j) - base;
-      acc[i] = acc[i] + p.value(r, j, vbytes);
+      if (i >= 0 && i < kTile) acc[i] = acc[i] + p.value(r, j, vbytes);
     }
   }
   __syncthreads();
