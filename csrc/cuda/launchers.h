@@ -78,36 +78,29 @@ cudaError_t launch_multi_tensor_copy(uint8_t* flat, int64_t count, void* const* 
 // Sparsification family (csrc/numerics.h "Sparsification"). 1 <= k <= n <= 2^31 - 1.
 // ---------------------------------------------------------------------------------------
 
-// topk_compress in phases, so the binding can size the candidate buffers with torch's
-// allocator: scan (sample threshold, fused EF add, candidate count), read the count (the one
-// host synchronization), then either padded (approximate mode, fewer than k candidates) or
-// select (after all_candidates when exact mode got fewer than k).
+// topk_compress, without any host synchronization: the candidate count that picks the path
+// stays on the device, and the binding sizes every buffer up front from n and the capacity.
 struct TopkArgs {
   const void* x;
   FloatType x_type;
   float* residual;  // nullptr: no error feedback
   int64_t n;
   int64_t k;
+  bool approximate;
   uint64_t rng_key;     // numerics.h rng_key(seed, step)
   int64_t samples;      // topk_sample_count(n)
   int64_t sample_rank;  // topk_approx_rank or topk_exact_rank
+  int64_t capacity;     // topk_candidate_capacity(n, samples, sample_rank)
   FloatType value_type;
   uint8_t* out;  // topk_payload_bytes(k, value bytes), 4-byte aligned
 };
 
-int64_t topk_workspace_bytes(int64_t n);
-int64_t topk_select_workspace_bytes(int64_t candidates);
-cudaError_t launch_topk_scan(const TopkArgs& a, void* workspace, cudaStream_t stream);
-cudaError_t topk_read_candidates(void* workspace, int64_t* candidates, cudaStream_t stream);
-cudaError_t launch_topk_padded(const TopkArgs& a, void* workspace, int64_t candidates,
-                               cudaStream_t stream);
-// Exact mode's fallback: threshold 0, every entry a candidate (n of them).
-cudaError_t launch_topk_all_candidates(const TopkArgs& a, void* workspace, cudaStream_t stream);
-// cand_bits / cand_index hold `candidates` entries; select_workspace is
-// topk_select_workspace_bytes(candidates) bytes, 8-byte aligned.
-cudaError_t launch_topk_select(const TopkArgs& a, void* workspace, int64_t candidates,
-                               uint32_t* cand_bits, int32_t* cand_index, void* select_workspace,
-                               cudaStream_t stream);
+// Candidates the compacted path has room for; more (or, in exact mode, fewer than k) take the
+// dense path, which selects over every entry. Both give the same payload.
+int64_t topk_candidate_capacity(int64_t n, int64_t samples, int64_t sample_rank);
+int64_t topk_workspace_bytes(int64_t n, int64_t capacity);
+// workspace: topk_workspace_bytes(n, capacity) bytes, 256-byte aligned.
+cudaError_t launch_topk_compress(const TopkArgs& a, void* workspace, cudaStream_t stream);
 
 // sparse_accumulate: rows of [k int32 indices][k values], row r at data + r * row_bytes.
 struct SparsePayloads {

@@ -3,10 +3,8 @@
 // (csrc/checks.h); workspaces come from torch's caching allocator; the kernels
 // (sparse_kernels.cu) run on the current stream of the input's device.
 //
-// Two ops synchronize with the host once per call, as their CPU twins' semantics need:
-// topk_compress reads how many entries passed the threshold (to size the candidate buffers
-// and pick the path), and sparse_accumulate reads the index validation result so a bad
-// payload raises, like on CPU, before anything is scattered.
+// Only sparse_accumulate with check=True synchronizes with the host: it reads the index
+// validation verdict so a bad payload raises, like on CPU, before anything is scattered.
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -32,50 +30,35 @@ at::Tensor bytes(int64_t n, const at::Tensor& like) {
 
 // The payload's int32 indices and values are stored as words, so the kernels write into a
 // 4-byte aligned buffer: `out` itself, or (for a byte slice at an odd offset) a fresh one
-// copied into it afterwards on the same stream. Same bytes either way.
+// copied into it afterwards on the same stream. Same bytes either way. Nothing is read back:
+// which path the selection takes is decided on the device (sparse_kernels.cu).
 void topk_compress_into_cuda(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                              const at::Tensor& packed, int64_t k, bool approximate, int64_t seed,
                              int64_t step, std::optional<at::ScalarType> value_dtype) {
   const at::ScalarType vtype = check_topk_compress(x, residual, packed, k, value_dtype);
   check_on_cuda(x, "x", "topk_compress");
   const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = current_stream();
   const int64_t n = x.numel();
   const at::Tensor xc = x.contiguous();
   const bool aligned = reinterpret_cast<uintptr_t>(packed.data_ptr()) % 4 == 0;
   at::Tensor dst = aligned ? packed : bytes(packed.numel(), x);
   const int64_t samples = topk_sample_count(n);
-  cuda::TopkArgs a{xc.data_ptr(),
-                   float_type(x.scalar_type()),
-                   residual ? residual->data_ptr<float>() : nullptr,
-                   n,
-                   k,
-                   rng_key((uint64_t)seed, (uint64_t)step),
-                   samples,
-                   approximate ? topk_approx_rank(k, n, samples) : topk_exact_rank(k, n, samples),
-                   float_type(vtype),
-                   dst.data_ptr<uint8_t>()};
-  at::Tensor ws = bytes(cuda::topk_workspace_bytes(n), x);
-  C10_CUDA_CHECK(cuda::launch_topk_scan(a, ws.data_ptr(), stream));
-  int64_t candidates = 0;
-  C10_CUDA_CHECK(cuda::topk_read_candidates(ws.data_ptr(), &candidates, stream));
-  if (candidates < k && approximate) {
-    C10_CUDA_CHECK(cuda::launch_topk_padded(a, ws.data_ptr(), candidates, stream));
-  } else {
-    if (candidates < k) {
-      // The sample misjudged: exact mode makes every entry a candidate, so its result never
-      // depends on the sample (the CPU op takes a histogram pass instead; same entries).
-      C10_CUDA_CHECK(cuda::launch_topk_all_candidates(a, ws.data_ptr(), stream));
-      candidates = n;
-    }
-    at::Tensor cand_bits = at::empty({candidates}, x.options().dtype(at::kInt));
-    at::Tensor cand_index = at::empty({candidates}, x.options().dtype(at::kInt));
-    at::Tensor select_ws = at::empty({cuda::topk_select_workspace_bytes(candidates) / 8 + 1},
-                                     x.options().dtype(at::kLong));
-    C10_CUDA_CHECK(cuda::launch_topk_select(
-        a, ws.data_ptr(), candidates, reinterpret_cast<uint32_t*>(cand_bits.data_ptr<int32_t>()),
-        cand_index.data_ptr<int32_t>(), select_ws.data_ptr(), stream));
-  }
+  const int64_t rank =
+      approximate ? topk_approx_rank(k, n, samples) : topk_exact_rank(k, n, samples);
+  const cuda::TopkArgs a{xc.data_ptr(),
+                         float_type(x.scalar_type()),
+                         residual ? residual->data_ptr<float>() : nullptr,
+                         n,
+                         k,
+                         approximate,
+                         rng_key((uint64_t)seed, (uint64_t)step),
+                         samples,
+                         rank,
+                         cuda::topk_candidate_capacity(n, samples, rank),
+                         float_type(vtype),
+                         dst.data_ptr<uint8_t>()};
+  at::Tensor ws = bytes(cuda::topk_workspace_bytes(n, a.capacity), x);
+  C10_CUDA_CHECK(cuda::launch_topk_compress(a, ws.data_ptr(), current_stream()));
   if (!aligned) packed.copy_(dst);
 }
 
