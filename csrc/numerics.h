@@ -34,9 +34,26 @@ DDPC_HD float bits_float(uint32_t u) {
   return v;
 }
 
-// The NaN a kernel stores for a non-finite quantization block: the bits of C's NAN, what
-// the CPU op writes.
-DDPC_HD float canonical_nan() { return bits_float(0x7FC00000u); }
+// ---------------------------------------------------------------------------------------
+// Canonical NaN. IEEE 754 leaves a NaN result's sign and payload to the hardware: an x86 core
+// returns an operand's NaN (any payload, quieted) and makes 0xFFC00000 for Inf - Inf or
+// 0 * Inf, a GPU returns 0x7FFFFFFF, and float -> half conversions pass payloads on or not.
+// So every float a kernel computes and stores goes through canonical(), on CPU and GPU alike,
+// and a NaN is written as one bit pattern per dtype: the quiet NaN of std::numeric_limits<T>
+// for T = float, c10::Half, c10::BFloat16 -- exactly what c10's conversions on the CPU make
+// of the canonical float NaN. Values are canonicalized where they are formed (e = x + r) and
+// before every store.
+// ---------------------------------------------------------------------------------------
+
+constexpr uint32_t kCanonicalNanF32 = 0x7FC00000u;
+constexpr uint16_t kCanonicalNanF16 = 0x7E00u;
+constexpr uint16_t kCanonicalNanBF16 = 0x7FC0u;
+
+DDPC_HD bool is_nan(float v) { return v != v; }
+
+DDPC_HD float canonical_nan() { return bits_float(kCanonicalNanF32); }
+
+DDPC_HD float canonical(float v) { return is_nan(v) ? canonical_nan() : v; }
 
 // ---------------------------------------------------------------------------------------
 // Packed quantized payload layout (little-endian), for `numel` elements, bits b, block B:

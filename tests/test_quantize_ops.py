@@ -235,3 +235,39 @@ def test_mismatched_payload_sizes():
         ops.dequantize(p, 1000, 8, 64, torch.int32)
     with pytest.raises(RuntimeError, match="divisor must be >= 1"):
         ops.dequantize_sum(p.view(1, -1), 1000, 8, 64, 0, torch.float32)
+
+
+def _nan(bits: int) -> float:
+    return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_nan_outputs_are_canonical(bits):
+    # NaN inputs with odd payloads (signalling, negative, all ones) and Inf - Inf: the x86
+    # core would propagate or invent each of them; every op writes the canonical NaN instead.
+    n, block = 1000, 64
+    x = _input(n, torch.float32)
+    x[3], x[70], x[200] = _nan(0x7F800001), _nan(0xFFC00000), _nan(0x7FFFFFFF)
+    x[300] = float("inf")
+    r = torch.zeros(n)
+    r[300] = float("-inf")
+    r_ref = r.clone()
+    p = ops.quantize(x, r, bits, block)
+    assert _same_bits(p, ref.quantize(x, r_ref, bits, block))
+    assert _same_bits(r, r_ref)
+    assert r[[3, 70, 200, 300]].isnan().all()
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        got = ops.dequantize(p, n, bits, block, dtype)
+        assert _same_bits(got, ref.dequantize(p, n, bits, block, dtype))
+        nan_bits = ref.canonical(torch.tensor([float("nan")], dtype=dtype))
+        assert _same_bits(got[3:4], nan_bits)
+    rows = torch.stack([p, p])
+    r2 = torch.zeros(n)
+    r2_ref = r2.clone()
+    got = ops.dequantize_sum_requantize(rows, r2, n, bits, block, 2)
+    assert _same_bits(got, ref.dequantize_sum_requantize(rows, r2_ref, n, bits, block, 2))
+    assert _same_bits(r2, r2_ref)

@@ -447,3 +447,42 @@ def test_sparse_accumulate_unchecked_bad_rows_stay_in_bounds():
     )
     assert buf[:2].tolist() == [7.0, 7.0] and buf[12:].tolist() == [7.0, 7.0]
     assert buf[5].item() == 1.0
+
+
+def _nan(bits: int) -> float:
+    return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+
+
+@pytest.mark.parametrize("value_dtype", FLOATS)
+def test_nan_outputs_are_canonical(value_dtype):
+    # NaNs with odd payloads all rank as one key (ties to the lower index), and every NaN the
+    # ops write is the canonical NaN of its dtype, as reference.py states.
+    n = 5000
+    x = gen(n, torch.float32, 3)
+    x[10], x[20], x[30] = _nan(0x7FFFFFFF), _nan(0xFFC00000), _nan(0x7F800001)
+    x[40] = float("inf")
+    res = torch.zeros(n)
+    res[40] = float("-inf")
+    res_ref = res.clone()
+    for k in (2, 50):
+        got = ops.topk_compress(x, res, k, value_dtype=value_dtype)
+        want = ref.topk_compress(x, res_ref, k, value_dtype=value_dtype)
+        assert_bitwise(got, want)
+        assert_bitwise(res, res_ref)
+    idx, _ = split(ops.topk_compress(x, None, 2), 2)
+    assert idx.tolist() == [10, 20]
+    rows = torch.stack([ops.topk_compress(x, None, 50, value_dtype=value_dtype)] * 2)
+    for dtype in FLOATS:
+        assert_bitwise(
+            ops.sparse_accumulate(rows, n, 50, 2, value_dtype, dtype),
+            ref.sparse_accumulate(rows, n, 50, 2, value_dtype, dtype),
+        )
+    r, r_ref = torch.zeros(n), torch.zeros(n)
+    values = ops.randk_compress(x, r, 50, 1, 2, 3)
+    assert_bitwise(values, ref.randk_compress(x, r_ref, 50, 1, 2, 3))
+    assert_bitwise(r, r_ref)
+    for dtype in FLOATS:
+        assert_bitwise(
+            ops.randk_decompress(values, n, 1, 2, 3, 2, dtype),
+            ref.randk_decompress(values, n, 1, 2, 3, 2, dtype),
+        )

@@ -49,7 +49,7 @@ void encode_block(const float* e, int64_t valid, int64_t B, uint8_t* record, flo
     }
     std::memcpy(&m, &mbits, sizeof(m));
   }
-  if (nonfinite) m = NAN;
+  if (nonfinite) m = canonical_nan();
   std::memcpy(record, &m, sizeof(float));
 
   if (block_is_degenerate(m)) {
@@ -160,7 +160,7 @@ void quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& res
         encode(e, valid, B, out + blk * rec, res ? s.deq.data() : nullptr, key, rng_offset + start,
                s.tree.data(), s.codes.data());
         if (res != nullptr) {
-          for (int64_t j = 0; j < valid; ++j) res[start + j] = s.e[j] - s.deq[j];
+          for (int64_t j = 0; j < valid; ++j) res[start + j] = canonical(s.e[j] - s.deq[j]);
         }
       }
     });
@@ -193,7 +193,9 @@ void dequantize_sum_into_cpu(const at::Tensor& payloads, const at::Tensor& resul
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t start = blk * B, valid = std::min(B, numel - start);
         sum_rows(in, rows, row_bytes, blk, rec, valid, accumulate, acc.data(), codes.data());
-        for (int64_t j = 0; j < valid; ++j) op[start + j] = static_cast<scalar_t>(acc[j] / div);
+        for (int64_t j = 0; j < valid; ++j) {
+          op[start + j] = static_cast<scalar_t>(canonical(acc[j] / div));
+        }
       }
     });
   });
@@ -229,7 +231,7 @@ void dequantize_sum_requantize_into_cpu(const at::Tensor& payloads,
       encode(s.e.data(), valid, B, out + blk * rec, res ? s.deq.data() : nullptr, key,
              rng_offset + start, s.tree.data(), s.codes.data());
       if (res != nullptr) {
-        for (int64_t j = 0; j < valid; ++j) res[start + j] = sum[j] - div * s.deq[j];
+        for (int64_t j = 0; j < valid; ++j) res[start + j] = canonical(sum[j] - div * s.deq[j]);
       }
     }
   });

@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <limits>
 
 #include "../checks.h"
 #include "../numerics.h"
@@ -51,7 +50,7 @@ void randk_compress_into_cpu(const at::Tensor& x, const std::optional<at::Tensor
         // Error feedback over the whole stratum: e = x + r, the chosen entry is sent
         // (r = 0 there), every other entry keeps e for the next step.
         for (int64_t t = lo; t < hi; ++t) {
-          const float e = static_cast<float>(xp[t]) + res[t];
+          const float e = canonical(static_cast<float>(xp[t]) + res[t]);
           res[t] = e;
           finite &= is_finite(e);
         }
@@ -61,7 +60,7 @@ void randk_compress_into_cpu(const at::Tensor& x, const std::optional<at::Tensor
       if (!finite) all_finite.store(false, std::memory_order_relaxed);
     });
   });
-  if (!all_finite.load()) values.fill_(std::numeric_limits<float>::quiet_NaN());
+  if (!all_finite.load()) values.fill_(canonical_nan());
 }
 
 void randk_decompress_into_cpu(const at::Tensor& values, const at::Tensor& out, int64_t seed,
@@ -79,7 +78,7 @@ void randk_decompress_into_cpu(const at::Tensor& values, const at::Tensor& out, 
           for (int64_t j = j0; j < j1; ++j) {
             const int64_t lo = j * numel / k, hi = (j + 1) * numel / k;
             std::fill(o + lo, o + hi, static_cast<scalar_t>(0.0f));
-            o[randk_index(key, j, numel, k)] = static_cast<scalar_t>(vp[j] / div);
+            o[randk_index(key, j, numel, k)] = static_cast<scalar_t>(canonical(vp[j] / div));
           }
         });
       });

@@ -161,10 +161,9 @@ void collect(const T* x, float* res, int64_t n, uint32_t thr, double keep_fracti
         uint32_t block_max = 0;
         for (int64_t j = 0; j < len; ++j) {
           float v = static_cast<float>(x[b + j]);
-          if (kFuse) {
-            v = v + res[b + j];
-            res[b + j] = v;
-          }
+          if (kFuse) v = v + res[b + j];
+          v = canonical(v);
+          if (kFuse) res[b + j] = v;
           bits[j] = float_bits(v);
           const uint32_t key = bits[j] & 0x7FFFFFFFu;
           hits += key >= thr ? 1 : 0;
@@ -193,7 +192,7 @@ uint32_t sample_threshold(const T* x, const float* res, int64_t n, int64_t rank,
     const int64_t i = topk_sample_index(key, j, n);
     float v = static_cast<float>(x[i]);
     if (res != nullptr) v = v + res[i];
-    keys[j] = magnitude_key(v);
+    keys[j] = magnitude_key(canonical(v));
   }
   std::nth_element(keys.begin(), keys.begin() + rank, keys.end(), std::greater<uint32_t>());
   return keys[rank];
@@ -212,7 +211,7 @@ uint32_t histogram_threshold(const T* e, int64_t n, int64_t k) {
       std::vector<int64_t>& h = hist[p];
       h.assign(kBins, 0);
       for (int64_t i = p * n / parts; i < (p + 1) * n / parts; ++i) {
-        h[magnitude_key(static_cast<float>(e[i])) >> 16] += 1;
+        h[magnitude_key(canonical(static_cast<float>(e[i]))) >> 16] += 1;
       }
     }
   });
@@ -225,7 +224,8 @@ uint32_t histogram_threshold(const T* e, int64_t n, int64_t k) {
 }
 
 // Writes entry o of the payload (index i, value e cast to the value dtype) and, with error
-// feedback, leaves in the residual what the cast lost (0 for float32 values).
+// feedback, leaves in the residual what the cast lost (0 for float32 values). e is canonical
+// (numerics.h), so a NaN value is stored as its dtype's canonical NaN.
 struct PayloadWriter {
   int32_t* index;
   uint8_t* values;
@@ -246,7 +246,7 @@ struct PayloadWriter {
     } else {
       reinterpret_cast<float*>(values)[o] = e;
     }
-    if (res != nullptr) res[i] = e - sent;
+    if (res != nullptr) res[i] = canonical(e - sent);
   }
 };
 
@@ -389,8 +389,9 @@ void topk_compress_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>
       emit_best(cands, k, thr, w);
     } else if (approximate) {
       // res already holds e after the fused pass.
-      emit_padded(cands, k, w,
-                  [&](int64_t i) { return res != nullptr ? res[i] : static_cast<float>(xp[i]); });
+      emit_padded(cands, k, w, [&](int64_t i) {
+        return res != nullptr ? res[i] : canonical(static_cast<float>(xp[i]));
+      });
     } else if (res != nullptr) {
       const uint32_t safe = histogram_threshold(res, n, k);
       collect<float, false>(res, nullptr, n, safe, safe_keep, cands);
@@ -436,7 +437,7 @@ void scatter_add_row(const uint8_t* row, int64_t k, int64_t numel, float* acc) {
   at::parallel_for(0, k, 1 << 14, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t i = idx[j];
-      if (i >= 0 && i < numel) acc[i] = acc[i] + static_cast<float>(val[j]);
+      if (i >= 0 && i < numel) acc[i] = canonical(acc[i] + static_cast<float>(val[j]));
     }
   });
 }
@@ -468,7 +469,7 @@ void accumulate_rows(const at::Tensor& payloads, float* acc, const at::Tensor& o
                                     scalar_t* o = out.data_ptr<scalar_t>();
                                     at::parallel_for(0, numel, kChunk, [&](int64_t i0, int64_t i1) {
                                       for (int64_t i = i0; i < i1; ++i) {
-                                        o[i] = static_cast<scalar_t>(acc[i] / div);
+                                        o[i] = static_cast<scalar_t>(canonical(acc[i] / div));
                                       }
                                     });
                                   });

@@ -3,7 +3,9 @@
 //
 // torch builds CUDA code with __CUDA_NO_HALF_CONVERSIONS__ and friends, so every conversion
 // is an explicit intrinsic; float -> half/bf16 rounds to nearest even, as torch's casts do.
-// Like launchers.h, this header needs only the CUDA toolkit.
+// Every store goes through from_float, which writes a NaN as its dtype's canonical NaN
+// (numerics.h): the GPU's own NaN results (0x7FFFFFFF, and 0x7FFF from its conversions) are
+// not the CPU's. Like launchers.h, this header needs only the CUDA toolkit.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -27,19 +29,20 @@ __device__ __forceinline__ float half_bits_to_float(uint32_t h) {
 // bf16 is the top half of an fp32: widening is a shift, exact.
 __device__ __forceinline__ float bf16_bits_to_float(uint32_t h) { return __uint_as_float(h << 16); }
 
+// v as stored in a T: rounded to nearest even, a NaN as T's canonical NaN.
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
 template <>
 __device__ __forceinline__ float from_float<float>(float v) {
-  return v;
+  return canonical(v);
 }
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
+  return is_nan(v) ? __ushort_as_half(kCanonicalNanF16) : __float2half_rn(v);
 }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
+  return is_nan(v) ? __ushort_as_bfloat16(kCanonicalNanBF16) : __float2bfloat16_rn(v);
 }
 
 template <typename T>
@@ -65,7 +68,7 @@ __device__ __forceinline__ float load_elem(const void* p, FloatType t, int64_t i
   }
 }
 
-// Stores v cast to t at element i; returns the stored value widened back to float.
+// Stores v cast to t (from_float) at element i; returns the stored value widened to float.
 __device__ __forceinline__ float store_elem(void* p, FloatType t, int64_t i, float v) {
   switch (t) {
     case FloatType::kFloat16: {

@@ -77,14 +77,18 @@ __device__ __forceinline__ void load8(const T* __restrict__ p, int64_t i0, int64
   }
 }
 
-// Stores v[0, 8) to elements [i0, i0 + 8) of p, only those below n.
+// Stores v[0, 8) to elements [i0, i0 + 8) of p, only those below n. Every value goes through
+// from_float, so NaNs are stored canonical (numerics.h).
 template <typename T>
 __device__ __forceinline__ void store8(T* __restrict__ p, int64_t i0, int64_t n, bool vec,
                                        const float (&v)[kVec]) {
   if (vec && i0 + kVec <= n) {
     if constexpr (sizeof(T) == 4) {
-      *reinterpret_cast<float4*>(p + i0) = make_float4(v[0], v[1], v[2], v[3]);
-      *reinterpret_cast<float4*>(p + i0 + 4) = make_float4(v[4], v[5], v[6], v[7]);
+      float c[kVec];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) c[k] = from_float<float>(v[k]);
+      *reinterpret_cast<float4*>(p + i0) = make_float4(c[0], c[1], c[2], c[3]);
+      *reinterpret_cast<float4*>(p + i0 + 4) = make_float4(c[4], c[5], c[6], c[7]);
     } else {
       uint32_t words[4];
 #pragma unroll

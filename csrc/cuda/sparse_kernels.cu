@@ -134,18 +134,19 @@ __global__ void __launch_bounds__(1024)
 // topk_compress
 // ---------------------------------------------------------------------------------------
 
-// e at element i: x (+ residual) before the fused pass; after it, the residual holds e.
+// e at element i, canonical (numerics.h: every NaN one bit pattern, so keys and values match
+// the CPU's): x (+ residual) before the fused pass; after it, the residual holds e.
 struct EView {
   const void* x;
   FloatType x_type;
   const float* residual;
   __device__ __forceinline__ float at(int64_t i) const {
     const float v = load_elem(x, x_type, i);
-    return residual != nullptr ? v + residual[i] : v;
+    return canonical(residual != nullptr ? v + residual[i] : v);
   }
   // After the fused pass (residual already holds e).
   __device__ __forceinline__ float after(int64_t i) const {
-    return residual != nullptr ? residual[i] : load_elem(x, x_type, i);
+    return residual != nullptr ? residual[i] : canonical(load_elem(x, x_type, i));
   }
 };
 
@@ -377,7 +378,7 @@ struct PayloadOut {
   __device__ __forceinline__ void put(int64_t o, int64_t i, float e) const {
     index[o] = (int32_t)i;
     const float sent = store_elem(values, value_type, o, e);
-    if (residual != nullptr) residual[i] = e - sent;
+    if (residual != nullptr) residual[i] = canonical(e - sent);
   }
 };
 
@@ -531,7 +532,7 @@ __global__ void __launch_bounds__(kThreads)
        i += (int64_t)gridDim.x * kThreads) {
     float e = load_elem(x, x_type, i);
     if (residual != nullptr) {
-      e = e + residual[i];
+      e = canonical(e + residual[i]);
       residual[i] = e;
     }
     finite &= is_finite(e);
