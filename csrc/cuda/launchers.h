@@ -39,8 +39,14 @@ struct QuantizeArgs {
   uint8_t* out;        // payload_bytes(numel, block_size, bits) bytes
 };
 
+// Device scratch that an encode (quantize, dequantize_sum_requantize) of numel elements needs,
+// in bytes, 4-byte aligned: 0 up to block_size 8192; larger blocks are split over several CTAs
+// that combine partial reductions through it.
+int64_t encode_workspace_bytes(int64_t numel, int bits, int64_t block_size, bool stochastic);
+
 // quantize: out = payload of x (+ residual); residual = e - dequantized(e) when given.
-cudaError_t launch_quantize(const QuantizeArgs& a, cudaStream_t stream);
+// workspace: encode_workspace_bytes(...) bytes (may be nullptr when that is 0).
+cudaError_t launch_quantize(const QuantizeArgs& a, void* workspace, cudaStream_t stream);
 
 // `rows` payloads of `row_bytes` bytes each, back to back (row r starts at r * row_bytes).
 struct PayloadRows {
@@ -61,7 +67,7 @@ cudaError_t launch_dequantize_sum(const PayloadRows& p, int64_t divisor, void* o
 // residual = S - divisor * dequantized (when residual is not nullptr).
 cudaError_t launch_dequantize_sum_requantize(const PayloadRows& p, float* residual, int64_t divisor,
                                              bool stochastic, uint64_t rng_key, int64_t rng_offset,
-                                             uint8_t* out, cudaStream_t stream);
+                                             uint8_t* out, void* workspace, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
 // Multi-tensor flatten family (csrc/flatten.h). Entry i of `count` occupies flat bytes

@@ -18,6 +18,15 @@
 namespace ddpcomm {
 namespace {
 
+// Scratch of an encode launch (large blocks only), from torch's caching allocator.
+at::Tensor encode_workspace(int64_t numel, int64_t bits, int64_t block_size, bool stochastic,
+                            const at::Tensor& like) {
+  const int64_t bytes = cuda::encode_workspace_bytes(numel, (int)bits, block_size, stochastic);
+  return bytes > 0 ? at::empty({bytes}, like.options().dtype(at::kByte)) : at::Tensor();
+}
+
+void* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+
 // `payloads` is [N, bytes]: N payloads of `numel` elements each.
 cuda::PayloadRows payload_rows(const at::Tensor& payloads, int64_t numel, int64_t bits,
                                int64_t block_size) {
@@ -48,7 +57,8 @@ void quantize_into_cuda(const at::Tensor& x, const std::optional<at::Tensor>& re
                                 rng_key((uint64_t)seed, (uint64_t)step),
                                 rng_offset,
                                 packed.data_ptr<uint8_t>()};
-  C10_CUDA_CHECK(cuda::launch_quantize(args, current_stream()));
+  const at::Tensor ws = encode_workspace(n, bits, block_size, stochastic, x);
+  C10_CUDA_CHECK(cuda::launch_quantize(args, data_or_null(ws), current_stream()));
 }
 
 // Also ops.dequantize: one row, divisor 1 (x / 1 == x, so the same bits).
@@ -73,11 +83,12 @@ void dequantize_sum_requantize_into_cuda(const at::Tensor& payloads,
   check_on_cuda(payloads, "payloads", "dequantize_sum_requantize");
   if (numel == 0) return;
   const c10::cuda::CUDAGuard guard(payloads.device());
+  const at::Tensor ws = encode_workspace(numel, bits, block_size, stochastic, payloads);
   C10_CUDA_CHECK(cuda::launch_dequantize_sum_requantize(
       payload_rows(payloads, numel, bits, block_size),
       residual ? residual->data_ptr<float>() : nullptr, divisor, stochastic,
       rng_key((uint64_t)seed, (uint64_t)step), rng_offset, packed.data_ptr<uint8_t>(),
-      current_stream()));
+      data_or_null(ws), current_stream()));
 }
 
 }  // namespace

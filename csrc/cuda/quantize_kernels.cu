@@ -21,8 +21,8 @@
 // leaves every lane with the same bits because float addition commutes), the last three
 // levels pair k inside the thread. Max |e| and the non-finite flag are order-independent.
 // For R <= 4 (B <= 8192) the block stays in registers between the reduction and the code
-// pass: each input byte is read once. Larger blocks (B >= 16384) stream rows from global
-// memory in both passes; the second read is served mostly by L2.
+// pass: each input byte is read once. Larger blocks (B >= 16384) are split over several CTAs
+// each (the split path below), so that a tensor of few such blocks still fills the GPU.
 //
 // Decode kernels (dequantize, dequantize_sum) need no reduction: one thread per chunk, the N
 // payload rows summed in row order in registers, one vector store.
@@ -45,6 +45,9 @@ constexpr int kVec = 8;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRegRows = 4;      // rows a thread keeps in registers (B <= 8 * 256 * 4)
 constexpr int kMaxStackLevels = 6;  // streaming tree over up to 32 rows (B = 65536)
+// Larger blocks are split over CTAs until a launch has this many: about 4 CTAs of 256 threads
+// per SM of a 132-SM H100 (a 1M-element tensor in blocks of 65536 had 16 CTAs for 132 SMs).
+constexpr int64_t kFillCtas = 512;
 
 // Loads elements [i0, i0 + 8) of p as floats, 0 past n. `vec` says p is 16-byte aligned;
 // i0 is a multiple of 8, so a full chunk is then one (or two) aligned 16-byte loads.
@@ -324,7 +327,8 @@ struct EncodeParams {
   uint8_t* out;
   bool out_aligned;  // out is 4-byte aligned: scales and codes are stored as words
   int64_t rec;
-  bool residual;  // write the residual
+  bool residual;    // write the residual
+  int log2_slices;  // split path (R > kMaxRegRows): S = 2^log2_slices CTAs per block
 };
 
 // Shared scratch for the cross-warp levels of the group reduction: 8 tree partials and the
@@ -517,70 +521,165 @@ __global__ void __launch_bounds__(kThreads) encode_kernel_regs(Src src, EncodePa
   }
 }
 
-// B >= 16384: rows stream from global memory twice, once per pass. One group per CTA.
-template <class Src, int kBits>
-__global__ void __launch_bounds__(kThreads) encode_kernel_stream(Src src, EncodeParams p) {
-  __shared__ float levels[1 << kBits];
-  __shared__ ReduceScratch scratch;
-  fill_levels<kBits>(levels);
-  __syncthreads();
-  EncodeThread t = encode_thread(p);
-  t.tree = kBits == 1 && !p.stochastic;
-  const int R = p.rows, log2_rows = 31 - __clz(R);
+// ---------------------------------------------------------------------------------------
+// Split path, B >= 16384 (R = B / 2048 >= 8 rows of 256 chunks): each block is split over
+// S = 2^log2_slices CTAs, enough for the launch to fill the GPU (kFillCtas), in three kernels:
+// partials (per CTA: max |e| and, for the tree, the per-thread row-tree sums), magnitude (one
+// CTA per block combines them and stores the scale), emit (per CTA: codes and residuals of its
+// rows, the scale read back). CTA s of a block owns rows r = s + S t, t < R / S: r's top bits
+// are t, so each CTA first completes the row tree over t on its own; the partials then pair s
+// with s + S/2, ... (r's low bits) before the thread and lane levels, exactly the order of
+// numerics.h. Rows stream from global memory in both passes (the second read mostly from L2).
+// ---------------------------------------------------------------------------------------
 
-  // Rows arrive in bit-reversed order when summing the tree, so its pairs (r, r + R/2),
-  // then (r, r + R/4), ... become neighbours and a binary-counter stack adds them in
-  // exactly the tree's order; level l holds the pending left sibling of size 2^l rows.
-  float stack[kMaxStackLevels][kVec];
-  float mx = 0.0f;
-  for (int c = 0; c < R; ++c) {
-    const int r = t.tree ? (int)(__brev((unsigned)c) >> (32 - log2_rows)) : c;
-    float cur[kVec];
-    if (t.active) {
-      src.load(t.start + t.row_offset(r), levels, cur);
-    } else {
+// c's low `bits` bits, reversed.
+__device__ __forceinline__ int bit_reverse(int c, int bits) {
+  return bits == 0 ? 0 : (int)(__brev((unsigned)c) >> (32 - bits));
+}
+
+// Adds rows in the pairwise tree's order when they arrive in bit-reversed order: pairs
+// (r, r + R/2), then (r, r + R/4), ... become neighbours, and a binary counter adds them;
+// level l holds the pending left sibling covering 2^l rows. After 2^L pushes the whole tree
+// sits at level L.
+struct TreeStack {
+  float v[kMaxStackLevels][kVec];
+
+  __device__ __forceinline__ void push(int c, float (&cur)[kVec]) {
+    bool placed = false;
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) cur[k] = 0.0f;
-    }
-    fold_max(src, cur, mx);
-    if (t.tree) {
+    for (int l = 0; l < kMaxStackLevels; ++l) {
+      if (!placed) {
+        if ((c >> l) & 1) {
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) cur[k] = fabsf(src.to_e(cur[k]));
-      bool placed = false;
+          for (int k = 0; k < kVec; ++k) cur[k] = v[l][k] + cur[k];
+        } else {
 #pragma unroll
-      for (int l = 0; l < kMaxStackLevels; ++l) {
-        if (!placed) {
-          if ((c >> l) & 1) {
-#pragma unroll
-            for (int k = 0; k < kVec; ++k) cur[k] = stack[l][k] + cur[k];
-          } else {
-#pragma unroll
-            for (int k = 0; k < kVec; ++k) stack[l][k] = cur[k];
-            placed = true;
-          }
+          for (int k = 0; k < kVec; ++k) v[l][k] = cur[k];
+          placed = true;
         }
       }
     }
   }
-  // After R = 2^log2_rows rows the whole row tree sits at level log2_rows.
+
+  __device__ __forceinline__ void root(int levels, float (&out)[kVec]) const {
+#pragma unroll
+    for (int l = 0; l < kMaxStackLevels; ++l) {
+      if (l == levels) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) out[k] = v[l][k];
+      }
+    }
+  }
+};
+
+// The thread's view of its block on the split path (one group of kThreads per block).
+__device__ __forceinline__ EncodeThread split_thread(const EncodeParams& p, int64_t blk) {
+  EncodeThread t;
+  t.G = kThreads;
+  t.g = threadIdx.x;
+  t.blk = blk;
+  t.active = true;
+  const int64_t B = int64_t(1) << p.log2_block;
+  t.start = blk * B;
+  t.valid = p.n - t.start < B ? p.n - t.start : B;
+  t.tree = false;
+  return t;
+}
+
+// Pass 1, grid nblocks * S: max |e| of the CTA's rows (+inf for a non-finite value) into
+// part_max[cta]; for the tree, each thread's row-tree sums into part_sum[cta][thread][k].
+template <class Src, int kBits>
+__global__ void __launch_bounds__(kThreads)
+    encode_partials_kernel(Src src, EncodeParams p, float* part_max, float* part_sum) {
+  __shared__ float levels[1 << kBits];
+  __shared__ float warp_max[kWarps];
+  fill_levels<kBits>(levels);
+  __syncthreads();
+  const int64_t blk = blockIdx.x >> p.log2_slices;
+  const int s = blockIdx.x & ((1 << p.log2_slices) - 1);
+  const EncodeThread t = split_thread(p, blk);
+  const bool tree = kBits == 1 && !p.stochastic;
+  const int log2_mine = 31 - __clz(p.rows) - p.log2_slices, mine = 1 << log2_mine;
+
+  TreeStack stack;
+  float mx = 0.0f;
+  for (int c = 0; c < mine; ++c) {
+    const int r = s + ((tree ? bit_reverse(c, log2_mine) : c) << p.log2_slices);
+    float cur[kVec];
+    src.load(t.start + t.row_offset(r), levels, cur);
+    fold_max(src, cur, mx);
+    if (tree) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) cur[k] = fabsf(src.to_e(cur[k]));
+      stack.push(c, cur);
+    }
+  }
+  if (tree) {
+    float part[kVec];
+    stack.root(log2_mine, part);
+    float* dst = part_sum + ((int64_t)blockIdx.x * kThreads + threadIdx.x) * kVec;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) dst[k] = part[k];
+  }
+  // The max is order-independent: any reduction order gives the same bits.
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = mx;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float m = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_max[w]);
+    part_max[blockIdx.x] = m;
+  }
+}
+
+// Pass 2, grid nblocks: combines the block's S partials (slices s and s + S/2 first, by the
+// same stack over bit-reversed s), reduces over threads and k, stores the scale.
+template <int kBits>
+__global__ void __launch_bounds__(kThreads)
+    encode_magnitude_kernel(EncodeParams p, const float* part_max, const float* part_sum) {
+  __shared__ ReduceScratch scratch;
+  const int64_t blk = blockIdx.x;
+  const int S = 1 << p.log2_slices;
+  EncodeThread t = split_thread(p, blk);
+  t.tree = kBits == 1 && !p.stochastic;
+  float mx = 0.0f;
+  for (int s = 0; s < S; ++s) mx = fmaxf(mx, part_max[blk * S + s]);
   float part[kVec];
 #pragma unroll
   for (int k = 0; k < kVec; ++k) part[k] = 0.0f;
   if (t.tree) {
+    TreeStack stack;
+    for (int c = 0; c < S; ++c) {
+      const int s = bit_reverse(c, p.log2_slices);
+      const float* src = part_sum + ((blk * S + s) * kThreads + threadIdx.x) * kVec;
+      float cur[kVec];
 #pragma unroll
-    for (int l = 0; l < kMaxStackLevels; ++l) {
-      if (l == log2_rows) {
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) part[k] = stack[l][k];
-      }
+      for (int k = 0; k < kVec; ++k) cur[k] = src[k];
+      stack.push(c, cur);
     }
+    stack.root(p.log2_slices, part);
   }
-  const float m = block_magnitude(t, part, mx, p.log2_group, scratch);
-  if (!t.active) return;  // no barrier follows
-  if (t.g == 0) store_scale(p.out + t.blk * p.rec, m, p.out_aligned);
+  const float m = block_magnitude(t, part, mx, 8, scratch);  // G = 256 = 2^8 threads
+  if (threadIdx.x == 0) store_scale(p.out + blk * p.rec, m, p.out_aligned);
+}
+
+// Pass 3, grid nblocks * S: codes (and residuals) of the CTA's rows, from the stored scale.
+template <class Src, int kBits>
+__global__ void __launch_bounds__(kThreads) encode_emit_kernel(Src src, EncodeParams p) {
+  __shared__ float levels[1 << kBits];
+  fill_levels<kBits>(levels);
+  __syncthreads();
+  const int64_t blk = blockIdx.x >> p.log2_slices;
+  const int s = blockIdx.x & ((1 << p.log2_slices) - 1);
+  const EncodeThread t = split_thread(p, blk);
+  const float m = load_scale(p.out + blk * p.rec, p.out_aligned);
   const bool degenerate = block_is_degenerate(m);
   const float inv = block_inv(m, kBits);
-  for (int r = 0; r < R; ++r) {
+  const int mine = p.rows >> p.log2_slices;
+  for (int c = 0; c < mine; ++c) {
+    const int r = s + (c << p.log2_slices);
     float cur[kVec];
     src.load(t.start + t.row_offset(r), levels, cur);
     emit_row<Src, kBits>(src, p, t, r, cur, m, inv, degenerate, levels);
@@ -604,11 +703,25 @@ int log2_exact(int64_t v) {
 
 bool grid_fits(int64_t ctas) { return ctas >= 1 && ctas <= 0x7fffffffLL; }
 
+// Split path scratch: one max per CTA, and for the tree kThreads * kVec sums per CTA.
+int64_t split_workspace_floats(const EncodeParams& p, int bits, int64_t ctas) {
+  if (p.rows <= kMaxRegRows) return 0;
+  const bool tree = bits == 1 && !p.stochastic;
+  return ctas + (tree ? ctas * kThreads * kVec : 0);
+}
+
 template <class Src, int kBits>
-cudaError_t launch_encode_bits(const Src& src, const EncodeParams& p, int64_t ctas,
+cudaError_t launch_encode_bits(const Src& src, const EncodeParams& p, int64_t ctas, void* workspace,
                                cudaStream_t stream) {
   if (p.rows > kMaxRegRows) {
-    encode_kernel_stream<Src, kBits><<<(unsigned)ctas, kThreads, 0, stream>>>(src, p);
+    if (workspace == nullptr) return cudaErrorInvalidValue;
+    float* part_max = static_cast<float*>(workspace);
+    float* part_sum = part_max + ctas;
+    encode_partials_kernel<Src, kBits>
+        <<<(unsigned)ctas, kThreads, 0, stream>>>(src, p, part_max, part_sum);
+    encode_magnitude_kernel<kBits>
+        <<<(unsigned)p.nblocks, kThreads, 0, stream>>>(p, part_max, part_sum);
+    encode_emit_kernel<Src, kBits><<<(unsigned)ctas, kThreads, 0, stream>>>(src, p);
   } else if (p.rows > 1) {
     encode_kernel_regs<Src, kBits, kMaxRegRows><<<(unsigned)ctas, kThreads, 0, stream>>>(src, p);
   } else {
@@ -618,7 +731,7 @@ cudaError_t launch_encode_bits(const Src& src, const EncodeParams& p, int64_t ct
 }
 
 // The one builder of an encode launch (quantize and dequantize_sum_requantize): geometry and
-// options. Returns the CTA count.
+// options. Returns the CTA count (of the partials and emit kernels on the split path).
 int64_t encode_params(int64_t n, int bits, int64_t block, bool stochastic, uint64_t rng_key,
                       int64_t rng_offset, uint8_t* out, bool residual, EncodeParams& p) {
   p = EncodeParams{};
@@ -634,6 +747,14 @@ int64_t encode_params(int64_t n, int bits, int64_t block, bool stochastic, uint6
   p.out = out;
   p.out_aligned = (reinterpret_cast<uintptr_t>(out) & 3u) == 0;
   p.residual = residual;
+  p.log2_slices = 0;
+  if (p.rows > kMaxRegRows) {
+    // Split each block over more CTAs (at most one row each) until the launch fills the GPU.
+    while ((1 << p.log2_slices) < p.rows && (p.nblocks << p.log2_slices) < kFillCtas) {
+      ++p.log2_slices;
+    }
+    return p.nblocks << p.log2_slices;
+  }
   const int64_t per_cta = kThreads >> p.log2_group;
   return (p.nblocks + per_cta - 1) / per_cta;
 }
@@ -647,7 +768,14 @@ PayloadView payload_view(const PayloadRows& p) {
 
 }  // namespace
 
-cudaError_t launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
+int64_t encode_workspace_bytes(int64_t numel, int bits, int64_t block_size, bool stochastic) {
+  if (!valid_bits_block(bits, block_size) || numel <= 0) return 0;
+  EncodeParams p;
+  const int64_t ctas = encode_params(numel, bits, block_size, stochastic, 0, 0, nullptr, false, p);
+  return (int64_t)sizeof(float) * split_workspace_floats(p, bits, ctas);
+}
+
+cudaError_t launch_quantize(const QuantizeArgs& a, void* workspace, cudaStream_t stream) {
   if (!valid_bits_block(a.bits, a.block_size) || a.numel < 0) return cudaErrorInvalidValue;
   if (a.numel == 0) return cudaSuccess;
   EncodeParams p;
@@ -659,7 +787,8 @@ cudaError_t launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
     const T* x = static_cast<const T*>(a.x);
     const QuantizeSource<T> src{x, a.residual, a.numel, aligned16(x), aligned16(a.residual)};
     return with_bits(a.bits, [&](auto b) {
-      return launch_encode_bits<QuantizeSource<T>, decltype(b)::value>(src, p, ctas, stream);
+      return launch_encode_bits<QuantizeSource<T>, decltype(b)::value>(src, p, ctas, workspace,
+                                                                       stream);
     });
   });
 }
@@ -687,7 +816,7 @@ cudaError_t launch_dequantize_sum(const PayloadRows& p, int64_t divisor, void* o
 
 cudaError_t launch_dequantize_sum_requantize(const PayloadRows& rows, float* residual,
                                              int64_t divisor, bool stochastic, uint64_t rng_key,
-                                             int64_t rng_offset, uint8_t* out,
+                                             int64_t rng_offset, uint8_t* out, void* workspace,
                                              cudaStream_t stream) {
   if (!valid_bits_block(rows.bits, rows.block_size) || rows.numel < 0 || rows.rows < 0 ||
       divisor < 1) {
@@ -702,7 +831,7 @@ cudaError_t launch_dequantize_sum_requantize(const PayloadRows& rows, float* res
     constexpr int kBits = decltype(b)::value;
     const SumSource<kBits> src{payload_view(rows), residual, rows.numel, (float)divisor,
                                aligned16(residual)};
-    return launch_encode_bits<SumSource<kBits>, kBits>(src, p, ctas, stream);
+    return launch_encode_bits<SumSource<kBits>, kBits>(src, p, ctas, workspace, stream);
   });
 }
 
