@@ -216,8 +216,10 @@ def _decode(packed: torch.Tensor, numel: int, bits: int, block_size: int) -> tor
 def dequantize(
     packed: torch.Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The ``numel`` values a payload encodes, in ``dtype``."""
-    return canonical(_decode(packed, numel, bits, block_size).to(dtype))
+    """The ``numel`` values a payload encodes, in ``dtype``: :func:`dequantize_sum` of the one
+    payload with divisor 1. Its fp32 sum starts from +0, so a value of -0 (a negative scale
+    times level 0, in a payload quantize never makes) reads +0."""
+    return dequantize_sum(packed.reshape(1, -1), numel, bits, block_size, 1, dtype)
 
 
 def dequantize_sum(
