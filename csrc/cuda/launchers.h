@@ -4,7 +4,8 @@
 // pointers, sizes and a cudaStream_t in, a cudaError_t out. No torch header is included, so
 // `nvcc -c csrc/cuda/*_kernels.cu` compile-checks every kernel on a machine with neither a
 // GPU nor a CUDA build of torch (see the Makefile's nvcc-check). The torch bindings
-// (csrc/cuda/<family>.cpp) validate arguments, allocate outputs and call these.
+// (csrc/cuda/<family>.cpp) validate arguments, allocate the workspaces these ask for (from
+// torch's caching allocator, sized on the host alone) and call them.
 //
 // Every launcher enqueues its kernels on `stream` and returns the launch status
 // (cudaGetLastError), or cudaErrorInvalidValue for arguments it cannot honour; it never
