@@ -490,8 +490,9 @@ def _(flat, tensors):
 
 
 def topk_payload_bytes(k: int, value_dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of a packed top-k payload: k int32 indices, then k values in ``value_dtype``."""
-    return k * (4 + value_dtype.itemsize)
+    """Bytes of a packed top-k payload: k int32 indices, then k values in ``value_dtype``
+    (float32 when None)."""
+    return k * (4 + (4 if value_dtype is None else value_dtype.itemsize))
 
 
 def topk_compress(
