@@ -76,6 +76,40 @@ inline void check_payloads(const at::Tensor& payloads, int64_t dims, int64_t num
               dtype);
 }
 
+// The argument checks of each quantizer op, in the order both devices apply them (and the
+// fake implementations in ddpcomm/ops.py mirror). Messages name the Python op the caller
+// used (ops.py), not the native schema.
+
+// quantize_into: `out` holds at least the payload of x.
+inline void check_quantize(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                           const at::Tensor& out, int64_t bits, int64_t block_size) {
+  const char* op = "quantize";
+  check_quantize_args(x, residual, bits, block_size, op);
+  check_out(out, at::kByte, payload_bytes(x.numel(), block_size, (int)bits), x.device(), op);
+}
+
+// dequantize_sum_into: `out`'s numel and dtype say what to decode (ops.dequantize is one row
+// and divisor 1, checked as "dequantize" in Python first).
+inline void check_dequantize_sum(const at::Tensor& payloads, const at::Tensor& out, int64_t bits,
+                                 int64_t block_size, int64_t divisor) {
+  const char* op = "dequantize_sum";
+  check_payloads(payloads, 2, out.numel(), bits, block_size, out.scalar_type(), op);
+  check_out(out, out.scalar_type(), out.numel(), payloads.device(), op);
+  TORCH_CHECK(divisor >= 1, op, ": divisor must be >= 1, got ", divisor);
+}
+
+// dequantize_sum_requantize_into: `out` holds at least the payload of numel elements.
+inline void check_dequantize_sum_requantize(const at::Tensor& payloads,
+                                            const std::optional<at::Tensor>& residual,
+                                            const at::Tensor& out, int64_t numel, int64_t bits,
+                                            int64_t block_size, int64_t divisor) {
+  const char* op = "dequantize_sum_requantize";
+  check_payloads(payloads, 2, numel, bits, block_size, at::kFloat, op);
+  check_residual(residual, numel, payloads.device(), op);
+  TORCH_CHECK(divisor >= 1, op, ": divisor must be >= 1, got ", divisor);
+  check_out(out, at::kByte, payload_bytes(numel, block_size, (int)bits), payloads.device(), op);
+}
+
 // ---------------------------------------------------------------------------------------
 // Sparsification
 // ---------------------------------------------------------------------------------------
@@ -127,6 +161,68 @@ inline void check_sparse_payloads(const at::Tensor& payloads, int64_t numel, int
   const int64_t need = topk_payload_bytes(k, at::elementSize(value_dtype));
   TORCH_CHECK(payloads.size(1) == need, op, ": a payload of k=", k, " entries with value_dtype ",
               value_dtype, " is ", need, " bytes, but payloads rows are ", payloads.size(1));
+}
+
+// The argument checks of each sparsification op, as above. Returns the value dtype.
+inline at::ScalarType check_topk_compress(const at::Tensor& x,
+                                          const std::optional<at::Tensor>& residual,
+                                          const at::Tensor& out, int64_t k,
+                                          std::optional<at::ScalarType> value_dtype) {
+  const char* op = "topk_compress";
+  check_sparse_input(x, residual, k, op);
+  const at::ScalarType vtype = value_dtype.value_or(at::kFloat);
+  check_value_dtype(vtype, op);
+  check_topk_out(out, k, vtype, op);
+  TORCH_CHECK(out.device() == x.device(), op, ": out is on ", out.device(), " but x is on ",
+              x.device());
+  return vtype;
+}
+
+// sparse_accumulate_into: the fp32 sum goes to `out` itself when it is float32, else to
+// `scratch` (the CUDA kernel sums in shared memory and never touches it, but takes the same
+// arguments, so a call that works on one device works on the other).
+inline void check_sparse_accumulate(const at::Tensor& payloads, const at::Tensor& out,
+                                    const std::optional<at::Tensor>& scratch, int64_t k,
+                                    int64_t divisor, at::ScalarType value_dtype) {
+  const char* op = "sparse_accumulate";
+  if (out.scalar_type() != at::kFloat) {
+    TORCH_CHECK(scratch.has_value(), op,
+                ": a float16/bfloat16 out needs a float32 scratch of out.numel() elements, "
+                "got none");
+    TORCH_CHECK(scratch->scalar_type() == at::kFloat && scratch->is_contiguous() &&
+                    scratch->numel() == out.numel(),
+                op, ": scratch must be a contiguous float32 tensor of ", out.numel(),
+                " elements, got ", scratch->scalar_type(), " of ", scratch->numel());
+  }
+  check_sparse_payloads(payloads, out.numel(), k, value_dtype, op);
+  check_divisor_dtype(divisor, out.scalar_type(), op);
+  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
+  TORCH_CHECK(out.device() == payloads.device(), op, ": out is on ", out.device(),
+              " but payloads are on ", payloads.device());
+}
+
+// randk_compress_into: k = out.numel() values.
+inline void check_randk_compress(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                 const at::Tensor& out) {
+  const char* op = "randk_compress";
+  check_sparse_input(x, residual, out.numel(), op);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), op,
+              ": out must be a contiguous float32 tensor of k elements, got ", out.scalar_type());
+  TORCH_CHECK(out.device() == x.device(), op, ": out is on ", out.device(), " but x is on ",
+              x.device());
+}
+
+// randk_decompress_into: numel = out.numel(), k = values.numel().
+inline void check_randk_decompress(const at::Tensor& values, const at::Tensor& out,
+                                   int64_t divisor) {
+  const char* op = "randk_decompress";
+  check_float_tensor(values, "values", op);
+  TORCH_CHECK(values.dim() == 1, op, ": values must be 1-D, got ", values.dim(), " dimensions");
+  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
+  check_sparse_numel_k(out.numel(), values.numel(), op);
+  check_divisor_dtype(divisor, out.scalar_type(), op);
+  TORCH_CHECK(out.device() == values.device(), op, ": out is on ", out.device(),
+              " but values are on ", values.device());
 }
 
 }  // namespace ddpcomm

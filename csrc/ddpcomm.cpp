@@ -7,31 +7,28 @@
 
 #include <string>
 
+// One native form per operation: every op writes into caller-owned buffers, and
+// ddpcomm/ops.py allocates them (reusing a buffer saves an allocation and its first-touch
+// page faults on every call). `flatten` alone also returns a new tensor: see below.
+// Error messages name the ops.py function the caller used, not the schema.
 TORCH_LIBRARY(ddpcomm, m) {
-  // Quantizer family. Payload layout: csrc/numerics.h.
-  m.def(
-      "quantize(Tensor x, Tensor(a!)? residual, int bits, int block_size, bool stochastic=False, "
-      "int seed=0, int step=0, int rng_offset=0) -> Tensor");
-  m.def(
-      "dequantize(Tensor packed, int numel, int bits, int block_size, ScalarType dtype) -> Tensor");
-  m.def(
-      "dequantize_sum(Tensor payloads, int numel, int bits, int block_size, int divisor, "
-      "ScalarType dtype) -> Tensor");
-  m.def(
-      "dequantize_sum_requantize(Tensor payloads, Tensor(a!)? residual, int numel, int bits, "
-      "int block_size, int divisor, bool stochastic=False, int seed=0, int step=0, "
-      "int rng_offset=0) -> Tensor");
-  // Out-variants: write into caller-owned buffers (no allocation, no first-touch page
-  // faults on every call). dequantize_* take numel and dtype from `out`.
+  // Quantizer family. Payload layout: csrc/numerics.h. dequantize_sum_into takes numel and
+  // dtype from `out` (ops.dequantize is its one-row, divisor-1 case); the _into ops that
+  // write a payload need `out` to hold at least payload_bytes(numel, ...) bytes.
   m.def(
       "quantize_into(Tensor x, Tensor(a!)? residual, Tensor(b!) out, int bits, int block_size, "
       "bool stochastic=False, int seed=0, int step=0, int rng_offset=0) -> ()");
-  m.def("dequantize_into(Tensor packed, Tensor(a!) out, int bits, int block_size) -> ()");
   m.def(
       "dequantize_sum_into(Tensor payloads, Tensor(a!) out, int bits, int block_size, "
       "int divisor) -> ()");
+  m.def(
+      "dequantize_sum_requantize_into(Tensor payloads, Tensor(a!)? residual, Tensor(b!) out, "
+      "int numel, int bits, int block_size, int divisor, bool stochastic=False, int seed=0, "
+      "int step=0, int rng_offset=0) -> ()");
 
-  // Multi-tensor flatten family. Semantics and checks: csrc/flatten.h. flatten_into is a
+  // Multi-tensor flatten family. Semantics and checks: csrc/flatten.h. `flatten` allocates
+  // natively because only a buffer it has just allocated, never touched, can take the huge
+  // page advice that halves its first-touch cost on CPU (cpu/flatten.cpp). flatten_into is a
   // separate op rather than an optional `out` of flatten: an op whose return may alias a
   // mutated input cannot be functionalized (torch.compile) or pass opcheck.
   m.def("flatten(Tensor[] tensors) -> Tensor");
@@ -39,27 +36,20 @@ TORCH_LIBRARY(ddpcomm, m) {
   m.def("unflatten_into(Tensor flat, Tensor(a!)[] tensors) -> ()");
 
   // Sparsification family (top-k, random-k). Payload layout and selection order:
-  // csrc/numerics.h, "Sparsification".
-  m.def(
-      "topk_compress(Tensor x, Tensor(a!)? residual, int k, bool approximate=False, int seed=0, "
-      "int step=0, ScalarType? value_dtype=None) -> Tensor");
-  m.def(
-      "sparse_accumulate(Tensor payloads, int numel, int k, int divisor, ScalarType value_dtype, "
-      "ScalarType dtype) -> Tensor");
-  m.def(
-      "randk_compress(Tensor x, Tensor(a!)? residual, int k, int seed, int step, int bucket) "
-      "-> Tensor");
-  m.def(
-      "randk_decompress(Tensor values, int numel, int seed, int step, int bucket, int divisor, "
-      "ScalarType dtype) -> Tensor");
-  // Out-variants: numel and dtype come from `out` (for a 16-bit out, the fp32 sum goes
-  // through `scratch`).
+  // csrc/numerics.h, "Sparsification". numel and dtype come from `out`; a 16-bit `out` of
+  // sparse_accumulate_into takes its fp32 sum through `scratch`; randk_compress_into sends
+  // k = out.numel() values.
   m.def(
       "topk_compress_into(Tensor x, Tensor(a!)? residual, Tensor(b!) out, int k, "
       "bool approximate=False, int seed=0, int step=0, ScalarType? value_dtype=None) -> ()");
+  // check=False trusts the rows' indices (made by topk_compress): no validation pass, and on
+  // CUDA no host synchronization to raise on a bad row.
   m.def(
       "sparse_accumulate_into(Tensor payloads, Tensor(a!) out, Tensor(b!)? scratch, int k, "
-      "int divisor, ScalarType value_dtype) -> ()");
+      "int divisor, ScalarType value_dtype, bool check=True) -> ()");
+  m.def(
+      "randk_compress_into(Tensor x, Tensor(a!)? residual, Tensor(b!) out, int seed, int step, "
+      "int bucket) -> ()");
   m.def(
       "randk_decompress_into(Tensor values, Tensor(a!) out, int seed, int step, int bucket, "
       "int divisor) -> ()");

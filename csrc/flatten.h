@@ -104,6 +104,12 @@ inline void check_destinations(at::TensorList tensors, const char* op) {
   }
 }
 
+inline int64_t total_numel(at::TensorList tensors) {
+  int64_t total = 0;
+  for (const at::Tensor& t : tensors) total += t.numel();
+  return total;
+}
+
 // Byte offset of every entry in the flat buffer, plus the total as the last element.
 inline std::vector<int64_t> byte_offsets(at::TensorList tensors) {
   std::vector<int64_t> off(tensors.size() + 1, 0);

@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
+
 #if defined(__CUDACC__)
 #define DDPC_HD __host__ __device__ __forceinline__
 #else
@@ -19,6 +21,39 @@
 #endif
 
 namespace ddpcomm {
+
+DDPC_HD uint32_t float_bits(float v) {
+  uint32_t u;
+  memcpy(&u, &v, sizeof(u));
+  return u;
+}
+
+DDPC_HD float bits_float(uint32_t u) {
+  float v;
+  memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------
+// Canonical NaN. IEEE 754 leaves a NaN result's sign and payload to the hardware: an x86 core
+// returns an operand's NaN (any payload, quieted) and makes 0xFFC00000 for Inf - Inf or
+// 0 * Inf, a GPU returns 0x7FFFFFFF, and float -> half conversions pass payloads on or not.
+// So every float a kernel computes and stores goes through canonical(), on CPU and GPU alike,
+// and a NaN is written as one bit pattern per dtype: the quiet NaN of std::numeric_limits<T>
+// for T = float, c10::Half, c10::BFloat16 -- exactly what c10's conversions on the CPU make
+// of the canonical float NaN. Values are canonicalized where they are formed (e = x + r) and
+// before every store.
+// ---------------------------------------------------------------------------------------
+
+constexpr uint32_t kCanonicalNanF32 = 0x7FC00000u;
+constexpr uint16_t kCanonicalNanF16 = 0x7E00u;
+constexpr uint16_t kCanonicalNanBF16 = 0x7FC0u;
+
+DDPC_HD bool is_nan(float v) { return v != v; }
+
+DDPC_HD float canonical_nan() { return bits_float(kCanonicalNanF32); }
+
+DDPC_HD float canonical(float v) { return is_nan(v) ? canonical_nan() : v; }
 
 // ---------------------------------------------------------------------------------------
 // Packed quantized payload layout (little-endian), for `numel` elements, bits b, block B:
@@ -44,6 +79,23 @@ DDPC_HD int64_t record_bytes(int64_t block, int bits) {
 
 DDPC_HD int64_t payload_bytes(int64_t numel, int64_t block, int bits) {
   return num_blocks(numel, block) * record_bytes(block, bits);
+}
+
+// Calls f(std::integral_constant<int, b>{}) for bits b in {1, 2, 4, 8} (the caller has
+// checked bits): the one switch that turns a runtime bit width into the template argument
+// of a kernel, on CPU and CUDA alike. Host code only.
+template <class F>
+decltype(auto) with_bits(int bits, F&& f) {
+  switch (bits) {
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 4:
+      return f(std::integral_constant<int, 4>{});
+    default:
+      return f(std::integral_constant<int, 8>{});
+  }
 }
 
 // Largest code magnitude of the symmetric b-bit quantizer (b >= 2): codes lie in
@@ -91,11 +143,8 @@ DDPC_HD uint64_t rng_key(uint64_t seed, uint64_t step) {
   return mix64(mix64(seed + 0x9E3779B97F4A7C15ull) ^ (step + 0x632BE59BD9B4E019ull));
 }
 
+// Element `index`'s 64 random bits; its uniform is uniform24(rng_u64_keyed(key, index)).
 DDPC_HD uint64_t rng_u64_keyed(uint64_t key, uint64_t index) { return mix64(key ^ index); }
-
-DDPC_HD float rng_uniform(uint64_t seed, uint64_t step, uint64_t index) {
-  return uniform24(rng_u64_keyed(rng_key(seed, step), index));
-}
 
 // ---------------------------------------------------------------------------------------
 // Rounding without libm calls, so loops vectorize on any x86-64 and the GPU agrees.
@@ -154,16 +203,6 @@ DDPC_HD float block_tree_sum(float* buf, int64_t block) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Code packing helpers (b in {1,2,4,8}; codes never straddle a byte).
-// ---------------------------------------------------------------------------------------
-
-DDPC_HD uint32_t read_code(const uint8_t* codes, int64_t j, int bits) {
-  const int64_t bit = j * bits;
-  const uint32_t mask = (1u << bits) - 1u;
-  return ((uint32_t)codes[bit >> 3] >> (bit & 7)) & mask;
-}
-
-// ---------------------------------------------------------------------------------------
 // Sparsification (top-k, random-k).
 //
 // Packed top-k payload for k selected entries, value dtype V (float32 by default):
@@ -176,23 +215,7 @@ DDPC_HD uint32_t read_code(const uint8_t* codes, int64_t j, int bits) {
 // so a bucket holding a non-finite value always sends one (every rank then sees it).
 // ---------------------------------------------------------------------------------------
 
-DDPC_HD uint32_t float_bits(float v) {
-  uint32_t u;
-  memcpy(&u, &v, sizeof(u));
-  return u;
-}
-
-DDPC_HD float bits_float(uint32_t u) {
-  float v;
-  memcpy(&v, &u, sizeof(v));
-  return v;
-}
-
 DDPC_HD uint32_t magnitude_key(float v) { return float_bits(v) & 0x7FFFFFFFu; }
-
-DDPC_HD bool topk_ranks_before(uint32_t key_a, int64_t a, uint32_t key_b, int64_t b) {
-  return key_a > key_b || (key_a == key_b && a < b);
-}
 
 DDPC_HD int64_t topk_payload_bytes(int64_t k, int64_t value_bytes) { return k * (4 + value_bytes); }
 

@@ -1,12 +1,16 @@
 """Typed wrappers over ``torch.ops.ddpcomm`` and one fake (meta) implementation per op.
 
+Every native op has one form: it writes into caller-owned buffers (csrc/ddpcomm.cpp), and
+the wrappers here allocate whatever the caller did not pass. The argument checks of
+csrc/checks.h are restated in Python, in the same order and with the same messages, so a
+fake implementation raises exactly what the native op raises, and a wrapper can validate
+what it needs before it allocates.
+
 Importing this module loads the native library. If it was not built, the import fails
 with the reason: ddpcomm never falls back to ``reference.py`` behind the caller's back.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -31,7 +35,161 @@ def build_info() -> dict:
 
 def payload_bytes(numel: int, bits: int, block_size: int) -> int:
     """Bytes of the packed payload for ``numel`` values (csrc/numerics.h layout)."""
-    return math.ceil(numel / block_size) * (4 + block_size * bits // 8)
+    return (numel + block_size - 1) // block_size * (4 + block_size * bits // 8)
+
+
+# --------------------------------------------------------------------------------------
+# Argument checks: csrc/checks.h restated (same order, same messages; RuntimeError is what
+# TORCH_CHECK raises). Dtypes print as c10 names ("Float", "Half"), as the native ops print.
+# --------------------------------------------------------------------------------------
+
+_C10_NAMES = {
+    torch.float32: "Float",
+    torch.float16: "Half",
+    torch.bfloat16: "BFloat16",
+    torch.float64: "Double",
+    torch.uint8: "Byte",
+    torch.int8: "Char",
+    torch.int16: "Short",
+    torch.int32: "Int",
+    torch.int64: "Long",
+    torch.bool: "Bool",
+    torch.complex32: "ComplexHalf",
+    torch.complex64: "ComplexFloat",
+    torch.complex128: "ComplexDouble",
+}
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return _C10_NAMES.get(dtype, str(dtype))
+
+
+def _check(ok, message: str) -> None:
+    if not ok:
+        raise RuntimeError(message)
+
+
+def _check_bits_block(bits, block_size, op):
+    _check(bits in (1, 2, 4, 8), f"{op}: bits must be one of 1, 2, 4, 8, got {bits}")
+    _check(
+        32 <= block_size <= 65536 and block_size & (block_size - 1) == 0,
+        f"{op}: block_size must be a power of two in [32, 65536], got {block_size}",
+    )
+
+
+def _check_float_tensor(t, arg, op):
+    _check(
+        t.dtype in _FLOATS,
+        f"{op}: {arg} must be float32, float16 or bfloat16, got {_name(t.dtype)}",
+    )
+
+
+def _check_residual(residual, numel, device, op):
+    if residual is None:
+        return
+    r = residual
+    _check(r.dtype == torch.float32, f"{op}: residual must be float32, got {_name(r.dtype)}")
+    _check(r.is_contiguous(), f"{op}: residual must be contiguous")
+    _check(r.numel() == numel, f"{op}: residual must have {numel} elements, got {r.numel()}")
+    _check(r.device == device, f"{op}: residual is on {r.device} but the input is on {device}")
+
+
+def _check_out_buffer(out, dtype, numel, device, op):
+    """checks.h check_out: exact dtype, contiguous, at least ``numel`` elements, device."""
+    _check(out.dtype == dtype, f"{op}: out must be {_name(dtype)}, got {_name(out.dtype)}")
+    _check(out.is_contiguous(), f"{op}: out must be contiguous")
+    _check(
+        out.numel() >= numel,
+        f"{op}: out must hold at least {numel} elements, got {out.numel()}",
+    )
+    _check(out.device == device, f"{op}: out is on {out.device} but the input is on {device}")
+
+
+def _check_payloads(payloads, dims, numel, bits, block_size, dtype, op):
+    _check_bits_block(bits, block_size, op)
+    _check(
+        payloads.dtype == torch.uint8,
+        f"{op}: payloads must be uint8, got {_name(payloads.dtype)}",
+    )
+    _check(
+        payloads.dim() == dims,
+        f"{op}: payloads must have {dims} dimension(s), got {payloads.dim()}",
+    )
+    _check(payloads.is_contiguous(), f"{op}: payloads must be contiguous")
+    _check(numel >= 0, f"{op}: numel must be >= 0, got {numel}")
+    need, have = payload_bytes(numel, bits, block_size), payloads.shape[dims - 1]
+    _check(
+        have >= need,
+        f"{op}: a payload of {numel} elements at bits={bits}, block_size={block_size} "
+        f"needs {need} bytes, got {have}",
+    )
+    _check(
+        dtype in _FLOATS,
+        f"{op}: dtype must be float32, float16 or bfloat16, got {_name(dtype)}",
+    )
+
+
+def _check_sparse_numel_k(numel, k, op):
+    _check(1 <= numel <= 2**31 - 1, f"{op}: numel must be in [1, 2^31 - 1], got {numel}")
+    _check(1 <= k <= numel, f"{op}: k must be in [1, numel={numel}], got {k}")
+
+
+def _check_sparse_input(x, residual, k, op):
+    _check_float_tensor(x, "x", op)
+    _check_sparse_numel_k(x.numel(), k, op)
+    _check_residual(residual, x.numel(), x.device, op)
+
+
+def _check_value_dtype(value_dtype, op):
+    _check(
+        value_dtype in _FLOATS,
+        f"{op}: value_dtype must be float32, float16 or bfloat16, got {_name(value_dtype)}",
+    )
+
+
+def _check_divisor_dtype(divisor, dtype, op):
+    _check(divisor >= 1, f"{op}: divisor must be >= 1, got {divisor}")
+    _check(
+        dtype in _FLOATS,
+        f"{op}: dtype must be float32, float16 or bfloat16, got {_name(dtype)}",
+    )
+
+
+def _check_topk_out(out, k, value_dtype, op):
+    need = topk_payload_bytes(k, value_dtype)
+    _check(
+        out.dtype == torch.uint8 and out.dim() == 1 and out.is_contiguous() and out.numel() == need,
+        f"{op}: out must be a contiguous 1-D uint8 tensor of k * (4 + value bytes) = {need} "
+        f"bytes, got {_name(out.dtype)} of {out.numel()}",
+    )
+
+
+def _check_sparse_payloads(payloads, numel, k, value_dtype, op):
+    _check_sparse_numel_k(numel, k, op)
+    _check_value_dtype(value_dtype, op)
+    _check(
+        payloads.dtype == torch.uint8,
+        f"{op}: payloads must be uint8, got {_name(payloads.dtype)}",
+    )
+    _check(
+        payloads.dim() == 2,
+        f"{op}: payloads must be [N, bytes] (2 dimensions), got {payloads.dim()} dimension(s)",
+    )
+    need = topk_payload_bytes(k, value_dtype)
+    _check(
+        payloads.shape[1] == need,
+        f"{op}: a payload of k={k} entries with value_dtype {_name(value_dtype)} is {need} "
+        f"bytes, but payloads rows are {payloads.shape[1]}",
+    )
+
+
+def _check_out(out: torch.Tensor, numel: int, dtype: torch.dtype, op: str) -> None:
+    """A caller's ``out`` for an op that returns ``numel`` elements of ``dtype``."""
+    if out.numel() != numel or out.dtype != dtype:
+        raise ValueError(
+            f"{op}: out must have {numel} elements of {dtype}, got {out.numel()} of {out.dtype}"
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -54,9 +212,14 @@ def quantize(
 
     With ``out`` (uint8, at least ``payload_bytes`` long) the payload is written there and
     ``out`` is returned: reusing a buffer saves an allocation and its page faults per call.
+
+    >>> p = quantize(torch.tensor([1.0, -0.5, 0.25, 0.0]), None, 8, 32)
+    >>> p.numel(), p[:4].view(torch.float32).item(), p[4:8].tolist()
+    (36, 1.0, [254, 63, 159, 127])
     """
     if out is None:
-        return _ops.quantize(x, residual, bits, block_size, stochastic, seed, step, rng_offset)
+        _check_bits_block(bits, block_size, "quantize")
+        out = x.new_empty(payload_bytes(x.numel(), bits, block_size), dtype=torch.uint8)
     _ops.quantize_into(x, residual, out, bits, block_size, stochastic, seed, step, rng_offset)
     return out
 
@@ -69,11 +232,19 @@ def dequantize(
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The ``numel`` values a payload encodes, in ``dtype`` (or written into ``out``)."""
+    """The ``numel`` values a payload encodes, in ``dtype`` (or written into ``out``).
+
+    The native op is ``dequantize_sum`` of one row with divisor 1: the same bits, since the
+    sum of one payload starts from 0 and x / 1 == x.
+    """
+    op = "dequantize"
+    _check_payloads(packed, 1, numel, bits, block_size, dtype, op)
     if out is None:
-        return _ops.dequantize(packed, numel, bits, block_size, dtype)
-    _check_out(out, numel, dtype, "dequantize")
-    _ops.dequantize_into(packed, out, bits, block_size)
+        out = packed.new_empty(numel, dtype=dtype)
+    else:
+        _check_out(out, numel, dtype, op)
+        _check_out_buffer(out, dtype, numel, packed.device, op)
+    _ops.dequantize_sum_into(packed.view(1, -1), out, bits, block_size, 1)
     return out
 
 
@@ -88,17 +259,12 @@ def dequantize_sum(
 ) -> torch.Tensor:
     """Row-order fp32 sum of the [N, P] payloads' values, divided by ``divisor``."""
     if out is None:
-        return _ops.dequantize_sum(payloads, numel, bits, block_size, divisor, dtype)
-    _check_out(out, numel, dtype, "dequantize_sum")
+        _check_payloads(payloads, 2, numel, bits, block_size, dtype, "dequantize_sum")
+        out = payloads.new_empty(numel, dtype=dtype)
+    else:
+        _check_out(out, numel, dtype, "dequantize_sum")
     _ops.dequantize_sum_into(payloads, out, bits, block_size, divisor)
     return out
-
-
-def _check_out(out: torch.Tensor, numel: int, dtype: torch.dtype, op: str) -> None:
-    if out.numel() != numel or out.dtype != dtype:
-        raise ValueError(
-            f"{op}: out must have {numel} elements of {dtype}, got {out.numel()} of {out.dtype}"
-        )
 
 
 def dequantize_sum_requantize(
@@ -114,45 +280,47 @@ def dequantize_sum_requantize(
     rng_offset: int = 0,
 ) -> torch.Tensor:
     """Owner step of the two-phase all-reduce: sum, divide, re-quantize, in one pass."""
-    return _ops.dequantize_sum_requantize(
-        payloads, residual, numel, bits, block_size, divisor, stochastic, seed, step, rng_offset
+    op = "dequantize_sum_requantize"
+    _check_payloads(payloads, 2, numel, bits, block_size, torch.float32, op)
+    out = payloads.new_empty(payload_bytes(numel, bits, block_size), dtype=torch.uint8)
+    _ops.dequantize_sum_requantize_into(
+        payloads,
+        residual,
+        out,
+        numel,
+        bits,
+        block_size,
+        divisor,
+        stochastic,
+        seed,
+        step,
+        rng_offset,
     )
-
-
-@torch.library.register_fake("ddpcomm::quantize")
-def _(x, residual, bits, block_size, stochastic=False, seed=0, step=0, rng_offset=0):
-    return x.new_empty(payload_bytes(x.numel(), bits, block_size), dtype=torch.uint8)
-
-
-@torch.library.register_fake("ddpcomm::dequantize")
-def _(packed, numel, bits, block_size, dtype):
-    return packed.new_empty(numel, dtype=dtype)
-
-
-@torch.library.register_fake("ddpcomm::dequantize_sum")
-def _(payloads, numel, bits, block_size, divisor, dtype):
-    return payloads.new_empty(numel, dtype=dtype)
+    return out
 
 
 @torch.library.register_fake("ddpcomm::quantize_into")
 def _(x, residual, out, bits, block_size, stochastic=False, seed=0, step=0, rng_offset=0):
-    return None
-
-
-@torch.library.register_fake("ddpcomm::dequantize_into")
-def _(packed, out, bits, block_size):
-    return None
+    op = "quantize"
+    _check_bits_block(bits, block_size, op)
+    _check_float_tensor(x, "x", op)
+    _check_residual(residual, x.numel(), x.device, op)
+    _check_out_buffer(out, torch.uint8, payload_bytes(x.numel(), bits, block_size), x.device, op)
 
 
 @torch.library.register_fake("ddpcomm::dequantize_sum_into")
 def _(payloads, out, bits, block_size, divisor):
-    return None
+    op = "dequantize_sum"
+    _check_payloads(payloads, 2, out.numel(), bits, block_size, out.dtype, op)
+    _check_out_buffer(out, out.dtype, out.numel(), payloads.device, op)
+    _check(divisor >= 1, f"{op}: divisor must be >= 1, got {divisor}")
 
 
-@torch.library.register_fake("ddpcomm::dequantize_sum_requantize")
+@torch.library.register_fake("ddpcomm::dequantize_sum_requantize_into")
 def _(
     payloads,
     residual,
+    out,
     numel,
     bits,
     block_size,
@@ -162,7 +330,12 @@ def _(
     step=0,
     rng_offset=0,
 ):
-    return payloads.new_empty(payload_bytes(numel, bits, block_size), dtype=torch.uint8)
+    op = "dequantize_sum_requantize"
+    _check_payloads(payloads, 2, numel, bits, block_size, torch.float32, op)
+    _check_residual(residual, numel, payloads.device, op)
+    _check(divisor >= 1, f"{op}: divisor must be >= 1, got {divisor}")
+    need = payload_bytes(numel, bits, block_size)
+    _check_out_buffer(out, torch.uint8, need, payloads.device, op)
 
 
 # --------------------------------------------------------------------------------------
@@ -240,15 +413,32 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor] | tuple[torch
     _ops.unflatten_into(flat, tensors)
 
 
+_LAYOUT_NAMES = {
+    torch.strided: "Strided",
+    torch.sparse_coo: "Sparse",
+    torch.sparse_csr: "SparseCsr",
+    torch.sparse_csc: "SparseCsc",
+    torch.sparse_bsr: "SparseBsr",
+    torch.sparse_bsc: "SparseBsc",
+}
+
+
+def _layout(layout: torch.layout) -> str:
+    return _LAYOUT_NAMES.get(layout, str(layout))
+
+
 def _check_flatten_list(tensors, dtype, device, ref, op):
     """The fake-tensor twin of csrc/flatten.h check_flatten_list (same errors)."""
     for i, t in enumerate(tensors):
         if t.layout != torch.strided:
-            raise TypeError(f"{op}: tensors[{i}] must be a strided (dense) tensor, got {t.layout}")
+            raise TypeError(
+                f"{op}: tensors[{i}] must be a strided (dense) tensor, got layout "
+                f"{_layout(t.layout)}"
+            )
         if t.dtype != dtype:
             raise TypeError(
-                f"{op}: tensors[{i}] has dtype {t.dtype} but {ref} has {dtype}; one call "
-                "handles one dtype (group the tensors by dtype)"
+                f"{op}: tensors[{i}] has dtype {_name(t.dtype)} but {ref} has {_name(dtype)}; "
+                "one call handles one dtype (group the tensors by dtype)"
             )
         if t.device != device:
             raise ValueError(
@@ -260,7 +450,7 @@ def _check_flatten_list(tensors, dtype, device, ref, op):
 def _check_flat_buffer(flat, total, arg, op):
     """The fake-tensor twin of csrc/flatten.h check_flat_buffer (same errors)."""
     if flat.layout != torch.strided:
-        raise TypeError(f"{op}: {arg} must be a strided tensor, got {flat.layout}")
+        raise TypeError(f"{op}: {arg} must be a strided tensor, got layout {_layout(flat.layout)}")
     if flat.dim() != 1:
         raise ValueError(f"{op}: {arg} must be 1-D, got {flat.dim()} dimensions")
     if not flat.is_contiguous():
@@ -274,7 +464,10 @@ def _check_flat_buffer(flat, total, arg, op):
 @torch.library.register_fake("ddpcomm::flatten")
 def _(tensors):
     if not tensors:
-        raise ValueError("flatten: tensors must not be empty")
+        raise ValueError(
+            "flatten: tensors must not be empty (the result takes its dtype and device from "
+            "them); use flatten_into to fill a given buffer"
+        )
     _check_flatten_list(tensors, tensors[0].dtype, tensors[0].device, "tensors[0]", "flatten")
     return tensors[0].new_empty(sum(t.numel() for t in tensors))
 
@@ -291,13 +484,15 @@ def _(flat, tensors):
     _check_flat_buffer(flat, sum(t.numel() for t in tensors), "flat", "unflatten_into")
 
 
+# --------------------------------------------------------------------------------------
 # Sparsification family (top-k, random-k)
 # --------------------------------------------------------------------------------------
 
 
 def topk_payload_bytes(k: int, value_dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of a packed top-k payload: k int32 indices, then k values in ``value_dtype``."""
-    return k * (4 + torch.empty((), dtype=value_dtype).element_size())
+    """Bytes of a packed top-k payload: k int32 indices, then k values in ``value_dtype``
+    (float32 when None)."""
+    return k * (4 + (4 if value_dtype is None else value_dtype.itemsize))
 
 
 def topk_compress(
@@ -326,7 +521,11 @@ def topk_compress(
     ([1, 3], [-3.0, 2.0])
     """
     if out is None:
-        return _ops.topk_compress(x, residual, k, approximate, seed, step, value_dtype)
+        op = "topk_compress"
+        vdtype = torch.float32 if value_dtype is None else value_dtype
+        _check_value_dtype(vdtype, op)
+        _check_sparse_numel_k(x.numel(), k, op)
+        out = x.new_empty(topk_payload_bytes(k, vdtype), dtype=torch.uint8)
     _ops.topk_compress_into(x, residual, out, k, approximate, seed, step, value_dtype)
     return out
 
@@ -340,6 +539,7 @@ def sparse_accumulate(
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
     scratch: torch.Tensor | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Dense sum of N packed top-k payloads ([N, bytes] uint8) divided by ``divisor``.
 
@@ -347,11 +547,23 @@ def sparse_accumulate(
     present in several rows sums in rank order; the result is cast to ``dtype``. With
     ``out`` the result is written there (no allocation); a float16/bfloat16 ``out`` also
     needs ``scratch``, a float32 tensor of ``numel`` elements for the sum.
+
+    ``check`` validates every row's indices (strictly increasing, in [0, numel)) and raises
+    for a bad row before anything is added. On CUDA that reads the verdict back to the host,
+    a synchronization; ``check=False`` skips the validation for payloads made by
+    :func:`topk_compress` (the collectives' own). A malformed row then gives unspecified
+    sums, but nothing is written outside ``out``.
     """
+    op = "sparse_accumulate"
     if out is None:
-        return _ops.sparse_accumulate(payloads, numel, k, divisor, value_dtype, dtype)
-    _check_out(out, numel, dtype, "sparse_accumulate")
-    _ops.sparse_accumulate_into(payloads, out, scratch, k, divisor, value_dtype)
+        _check_sparse_numel_k(numel, k, op)
+        _check_divisor_dtype(divisor, dtype, op)
+        out = payloads.new_empty(numel, dtype=dtype)
+        if scratch is None and dtype != torch.float32:
+            scratch = payloads.new_empty(numel, dtype=torch.float32)
+    else:
+        _check_out(out, numel, dtype, op)
+    _ops.sparse_accumulate_into(payloads, out, scratch, k, divisor, value_dtype, check)
     return out
 
 
@@ -364,7 +576,10 @@ def randk_compress(
     ones and the values can be all-reduced directly. With a residual it becomes e, and 0 at
     the sent entries.
     """
-    return _ops.randk_compress(x, residual, k, seed, step, bucket)
+    _check_sparse_input(x, residual, k, "randk_compress")
+    out = x.new_empty(k, dtype=torch.float32)
+    _ops.randk_compress_into(x, residual, out, seed, step, bucket)
+    return out
 
 
 def randk_decompress(
@@ -379,44 +594,72 @@ def randk_decompress(
 ) -> torch.Tensor:
     """Dense ``numel`` tensor holding ``values / divisor`` at the random-k indices, else 0
     (written into ``out`` when given)."""
+    op = "randk_decompress"
     if out is None:
-        return _ops.randk_decompress(values, numel, seed, step, bucket, divisor, dtype)
-    _check_out(out, numel, dtype, "randk_decompress")
+        _check_divisor_dtype(divisor, dtype, op)
+        _check_sparse_numel_k(numel, values.numel(), op)
+        out = values.new_empty(numel, dtype=dtype)
+    else:
+        _check_out(out, numel, dtype, op)
     _ops.randk_decompress_into(values, out, seed, step, bucket, divisor)
     return out
 
 
-@torch.library.register_fake("ddpcomm::topk_compress")
-def _(x, residual, k, approximate=False, seed=0, step=0, value_dtype=None):
-    vbytes = topk_payload_bytes(1, value_dtype or torch.float32) - 4
-    return x.new_empty(k * (4 + vbytes), dtype=torch.uint8)
-
-
-@torch.library.register_fake("ddpcomm::sparse_accumulate")
-def _(payloads, numel, k, divisor, value_dtype, dtype):
-    return payloads.new_empty(numel, dtype=dtype)
-
-
-@torch.library.register_fake("ddpcomm::randk_compress")
-def _(x, residual, k, seed, step, bucket):
-    return x.new_empty(k, dtype=torch.float32)
-
-
-@torch.library.register_fake("ddpcomm::randk_decompress")
-def _(values, numel, seed, step, bucket, divisor, dtype):
-    return values.new_empty(numel, dtype=dtype)
+@torch.library.register_fake("ddpcomm::topk_compress_into")
+def _(x, residual, out, k, approximate=False, seed=0, step=0, value_dtype=None):
+    op = "topk_compress"
+    _check_sparse_input(x, residual, k, op)
+    vdtype = torch.float32 if value_dtype is None else value_dtype
+    _check_value_dtype(vdtype, op)
+    _check_topk_out(out, k, vdtype, op)
+    _check(out.device == x.device, f"{op}: out is on {out.device} but x is on {x.device}")
 
 
 @torch.library.register_fake("ddpcomm::sparse_accumulate_into")
-def _(payloads, out, scratch, k, divisor, value_dtype):
-    return None
+def _(payloads, out, scratch, k, divisor, value_dtype, check=True):
+    op = "sparse_accumulate"
+    if out.dtype != torch.float32:
+        _check(
+            scratch is not None,
+            f"{op}: a float16/bfloat16 out needs a float32 scratch of out.numel() elements, "
+            "got none",
+        )
+        _check(
+            scratch.dtype == torch.float32
+            and scratch.is_contiguous()
+            and scratch.numel() == out.numel(),
+            f"{op}: scratch must be a contiguous float32 tensor of {out.numel()} elements, "
+            f"got {_name(scratch.dtype)} of {scratch.numel()}",
+        )
+    _check_sparse_payloads(payloads, out.numel(), k, value_dtype, op)
+    _check_divisor_dtype(divisor, out.dtype, op)
+    _check(out.is_contiguous(), f"{op}: out must be contiguous")
+    _check(
+        out.device == payloads.device,
+        f"{op}: out is on {out.device} but payloads are on {payloads.device}",
+    )
+
+
+@torch.library.register_fake("ddpcomm::randk_compress_into")
+def _(x, residual, out, seed, step, bucket):
+    op = "randk_compress"
+    _check_sparse_input(x, residual, out.numel(), op)
+    _check(
+        out.dtype == torch.float32 and out.is_contiguous(),
+        f"{op}: out must be a contiguous float32 tensor of k elements, got {_name(out.dtype)}",
+    )
+    _check(out.device == x.device, f"{op}: out is on {out.device} but x is on {x.device}")
 
 
 @torch.library.register_fake("ddpcomm::randk_decompress_into")
 def _(values, out, seed, step, bucket, divisor):
-    return None
-
-
-@torch.library.register_fake("ddpcomm::topk_compress_into")
-def _(x, residual, out, k, approximate=False, seed=0, step=0, value_dtype=None):
-    return None
+    op = "randk_decompress"
+    _check_float_tensor(values, "values", op)
+    _check(values.dim() == 1, f"{op}: values must be 1-D, got {values.dim()} dimensions")
+    _check(out.is_contiguous(), f"{op}: out must be contiguous")
+    _check_sparse_numel_k(out.numel(), values.numel(), op)
+    _check_divisor_dtype(divisor, out.dtype, op)
+    _check(
+        out.device == values.device,
+        f"{op}: out is on {out.device} but values are on {values.device}",
+    )

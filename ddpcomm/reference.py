@@ -10,6 +10,9 @@ codes packed LSB-first. ``m`` is the block absmax (bits >= 2, or stochastic 1-bi
 mean |x| over the block's valid elements (deterministic 1-bit); a block with a non-finite
 value stores NaN. Signed code k in [-L, L], L = 2**(bits-1) - 1, is stored as k + L and
 dequantizes to ``m * (k / L)``; 1-bit code c dequantizes to ``+m if c else -m``.
+
+Every float an op writes that is NaN is its dtype's canonical NaN (:func:`canonical`): IEEE
+leaves a NaN's sign and payload to the hardware, so the ops fix one bit pattern per dtype.
 """
 
 from __future__ import annotations
@@ -20,9 +23,24 @@ import torch
 
 _MASK64 = (1 << 64) - 1
 
+# numerics.h kCanonicalNan*: std::numeric_limits<T>::quiet_NaN() of float, c10::Half and
+# c10::BFloat16, as (integer view dtype, bits).
+CANONICAL_NAN_BITS = {
+    torch.float32: (torch.int32, 0x7FC00000),
+    torch.float16: (torch.int16, 0x7E00),
+    torch.bfloat16: (torch.int16, 0x7FC0),
+}
+
+
+def canonical(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with every NaN replaced by its dtype's canonical NaN (numerics.h canonical)."""
+    view, bits = CANONICAL_NAN_BITS[t.dtype]
+    nan = torch.tensor(bits, dtype=view).view(t.dtype)
+    return torch.where(torch.isnan(t), nan, t)
+
 
 # --------------------------------------------------------------------------------------
-# Counter-based RNG (numerics.h: mix64 / rng_u64 / rng_uniform)
+# Counter-based RNG (numerics.h: mix64, rng_key, rng_u64_keyed, uniform24)
 # --------------------------------------------------------------------------------------
 
 
@@ -182,7 +200,7 @@ def quantize(
         e = e + _blocks(residual, block_size)[0]
     packed, deq = _encode(e, n, bits, block_size, stochastic, seed, step, rng_offset)
     if residual is not None:
-        residual.copy_((e - deq).reshape(-1)[:n].view_as(residual))
+        residual.copy_(canonical(e - deq).reshape(-1)[:n].view_as(residual))
     return packed
 
 
@@ -198,8 +216,10 @@ def _decode(packed: torch.Tensor, numel: int, bits: int, block_size: int) -> tor
 def dequantize(
     packed: torch.Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The ``numel`` values a payload encodes, in ``dtype``."""
-    return _decode(packed, numel, bits, block_size).to(dtype)
+    """The ``numel`` values a payload encodes, in ``dtype``: :func:`dequantize_sum` of the one
+    payload with divisor 1. Its fp32 sum starts from +0, so a value of -0 (a negative scale
+    times level 0, in a payload quantize never makes) reads +0."""
+    return dequantize_sum(packed.reshape(1, -1), numel, bits, block_size, 1, dtype)
 
 
 def dequantize_sum(
@@ -214,7 +234,7 @@ def dequantize_sum(
     s = torch.zeros(numel, dtype=torch.float32)
     for row in payloads:
         s = s + _decode(row, numel, bits, block_size)
-    return (s / float(divisor)).to(dtype)
+    return canonical((s / float(divisor)).to(dtype))
 
 
 def dequantize_sum_requantize(
@@ -243,7 +263,7 @@ def dequantize_sum_requantize(
     packed, deq = _encode(t, n, bits, block_size, stochastic, seed, step, rng_offset)
     if residual is not None:
         deq = deq.reshape(-1)[:numel]
-        residual.copy_((s - float(divisor) * deq).view_as(residual))
+        residual.copy_(canonical(s - float(divisor) * deq).view_as(residual))
     return packed
 
 
@@ -356,11 +376,12 @@ def topk_compress(
     e = x.reshape(-1).float()
     if residual is not None:
         e = e + residual.reshape(-1)
+    e = canonical(e)  # every NaN one key: NaNs rank among themselves by index
     idx = _topk_indices(e, k, approximate, seed, step)
-    values = e[idx].to(vdtype)
+    values = canonical(e[idx].to(vdtype))
     if residual is not None:
         new = e.clone()
-        new[idx] = e[idx] - values.float()
+        new[idx] = canonical(e[idx] - values.float())
         residual.copy_(new.view_as(residual))
     return torch.cat([idx.to(torch.int32).view(torch.uint8), values.view(torch.uint8)])
 
@@ -380,7 +401,7 @@ def sparse_accumulate(
         idx = row[: 4 * k].clone().view(torch.int32).long()
         val = row[4 * k :].clone().view(value_dtype).float()
         s[idx] = s[idx] + val
-    return (s / float(divisor)).to(dtype)
+    return canonical((s / float(divisor)).to(dtype))
 
 
 def randk_key(seed: int, step: int, bucket: int) -> int:
@@ -406,7 +427,7 @@ def randk_compress(
     """
     e = x.reshape(-1).float()
     if residual is not None:
-        e = e + residual.reshape(-1)
+        e = canonical(e + residual.reshape(-1))
     idx = randk_indices(e.numel(), k, seed, step, bucket)
     values = e[idx].clone()
     if not bool(torch.isfinite(e).all()):
@@ -431,4 +452,4 @@ def randk_decompress(
     out = torch.zeros(numel, dtype=torch.float32)
     idx = randk_indices(numel, values.numel(), seed, step, bucket)
     out[idx] = values.float() / float(divisor)
-    return out.to(dtype)
+    return canonical(out.to(dtype))

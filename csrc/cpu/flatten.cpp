@@ -98,12 +98,6 @@ void flatten_into_impl(at::TensorList tensors, const at::Tensor& out) {
   copy_strided(out, tensors, off, Direction::ToFlat);
 }
 
-int64_t total_numel(at::TensorList tensors) {
-  int64_t total = 0;
-  for (const at::Tensor& t : tensors) total += t.numel();
-  return total;
-}
-
 at::Tensor flatten_cpu(at::TensorList tensors) {
   TORCH_CHECK_VALUE(!tensors.empty(), "flatten: tensors must not be empty (the result takes its ",
                     "dtype and device from them); use flatten_into to fill a given buffer");

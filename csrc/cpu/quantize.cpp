@@ -1,5 +1,6 @@
-// CPU implementations of the quantizer ops: quantize, dequantize, dequantize_sum,
-// dequantize_sum_requantize. Every bit of output comes from csrc/numerics.h.
+// CPU implementations of the quantizer ops: quantize_into, dequantize_sum_into (which is also
+// ops.dequantize) and dequantize_sum_requantize_into. Every bit of output comes from
+// csrc/numerics.h.
 //
 // Work is split over blocks with at::parallel_for; each block is staged in a small fp32
 // buffer so the per-element loops are straight-line and vectorize.
@@ -48,11 +49,15 @@ void encode_block(const float* e, int64_t valid, int64_t B, uint8_t* record, flo
     }
     std::memcpy(&m, &mbits, sizeof(m));
   }
-  if (nonfinite) m = NAN;
+  if (nonfinite) m = canonical_nan();
   std::memcpy(record, &m, sizeof(float));
 
   if (block_is_degenerate(m)) {
-    std::fill(codes, codes + B, (uint8_t)degenerate_code(kBits));
+    // A counted loop, not std::fill(codes, codes + B): fill's length is last - first, which
+    // gcc cannot prove non-negative here (it warned of a 2^63-byte memset, -Wstringop-overflow);
+    // the loop is well defined for any B and still compiles to one memset.
+    const uint8_t code = (uint8_t)degenerate_code(kBits);
+    for (int64_t j = 0; j < B; ++j) codes[j] = code;
   } else {
     const float inv = block_inv(m, kBits);
     for (int64_t j = 0; j < B; ++j) {
@@ -85,18 +90,10 @@ using EncodeFn = void (*)(const float*, int64_t, int64_t, uint8_t*, float*, uint
                           float*, uint8_t*);
 
 EncodeFn pick_encoder(int bits, bool stochastic) {
-#define DDPC_ENC(b) stochastic ? &encode_block<b, true> : &encode_block<b, false>
-  switch (bits) {
-    case 1:
-      return DDPC_ENC(1);
-    case 2:
-      return DDPC_ENC(2);
-    case 4:
-      return DDPC_ENC(4);
-    default:
-      return DDPC_ENC(8);
-  }
-#undef DDPC_ENC
+  return with_bits(bits, [&](auto b) -> EncodeFn {
+    constexpr int kBits = decltype(b)::value;
+    return stochastic ? &encode_block<kBits, true> : &encode_block<kBits, false>;
+  });
 }
 
 // Adds the values of one block record to `acc` (first `valid` elements). Codes are
@@ -121,16 +118,8 @@ void accumulate_record(const uint8_t* record, int64_t valid, float* acc, uint8_t
 using AccumulateFn = void (*)(const uint8_t*, int64_t, float*, uint8_t*);
 
 AccumulateFn pick_accumulator(int bits) {
-  switch (bits) {
-    case 1:
-      return &accumulate_record<1>;
-    case 2:
-      return &accumulate_record<2>;
-    case 4:
-      return &accumulate_record<4>;
-    default:
-      return &accumulate_record<8>;
-  }
+  return with_bits(bits,
+                   [](auto b) -> AccumulateFn { return &accumulate_record<decltype(b)::value>; });
 }
 
 // Per-task scratch: the staged block, a tree-sum buffer, codes, dequantized values.
@@ -143,9 +132,8 @@ struct Scratch {
 void quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                        const at::Tensor& packed, int64_t bits, int64_t block_size, bool stochastic,
                        int64_t seed, int64_t step, int64_t rng_offset) {
-  check_quantize_args(x, residual, bits, block_size, "quantize");
+  check_quantize(x, residual, packed, bits, block_size);
   const int64_t n = x.numel();
-  check_out(packed, at::kByte, payload_bytes(n, block_size, (int)bits), x.device(), "quantize");
   const at::Tensor xc = x.contiguous();
   float* res = residual ? residual->data_ptr<float>() : nullptr;
   uint8_t* out = packed.data_ptr<uint8_t>();
@@ -172,54 +160,11 @@ void quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& res
         encode(e, valid, B, out + blk * rec, res ? s.deq.data() : nullptr, key, rng_offset + start,
                s.tree.data(), s.codes.data());
         if (res != nullptr) {
-          for (int64_t j = 0; j < valid; ++j) res[start + j] = s.e[j] - s.deq[j];
+          for (int64_t j = 0; j < valid; ++j) res[start + j] = canonical(s.e[j] - s.deq[j]);
         }
       }
     });
   });
-}
-
-at::Tensor quantize_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                        int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
-                        int64_t step, int64_t rng_offset) {
-  check_bits_block(bits, block_size, "quantize");
-  auto packed =
-      at::empty({payload_bytes(x.numel(), block_size, (int)bits)}, x.options().dtype(at::kByte));
-  quantize_into_cpu(x, residual, packed, bits, block_size, stochastic, seed, step, rng_offset);
-  return packed;
-}
-
-void dequantize_into_cpu(const at::Tensor& packed, const at::Tensor& result, int64_t bits,
-                         int64_t block_size) {
-  const int64_t numel = result.numel();
-  const at::ScalarType dtype = result.scalar_type();
-  check_payloads(packed, 1, numel, bits, block_size, dtype, "dequantize");
-  check_out(result, dtype, numel, packed.device(), "dequantize");
-  const int64_t B = block_size, nb = num_blocks(numel, B), rec = record_bytes(B, (int)bits);
-  const uint8_t* in = packed.data_ptr<uint8_t>();
-  const AccumulateFn accumulate = pick_accumulator((int)bits);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "dequantize", [&] {
-    scalar_t* op = result.data_ptr<scalar_t>();
-    at::parallel_for(0, nb, grain_blocks(B), [&](int64_t b0, int64_t b1) {
-      std::vector<float> acc(B);
-      std::vector<uint8_t> codes(B);
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t start = blk * B, valid = std::min(B, numel - start);
-        // 0 + v == v for every v the codes produce (never -0), so this is a plain decode.
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        accumulate(in + blk * rec, valid, acc.data(), codes.data());
-        for (int64_t j = 0; j < valid; ++j) op[start + j] = static_cast<scalar_t>(acc[j]);
-      }
-    });
-  });
-}
-
-at::Tensor dequantize_cpu(const at::Tensor& packed, int64_t numel, int64_t bits, int64_t block_size,
-                          at::ScalarType dtype) {
-  check_payloads(packed, 1, numel, bits, block_size, dtype, "dequantize");
-  auto result = at::empty({numel}, packed.options().dtype(dtype));
-  dequantize_into_cpu(packed, result, bits, block_size);
-  return result;
 }
 
 // Sums block `blk` of every payload row into acc[0, valid), in row order.
@@ -231,11 +176,9 @@ void sum_rows(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t blk, i
 
 void dequantize_sum_into_cpu(const at::Tensor& payloads, const at::Tensor& result, int64_t bits,
                              int64_t block_size, int64_t divisor) {
+  check_dequantize_sum(payloads, result, bits, block_size, divisor);
   const int64_t numel = result.numel();
   const at::ScalarType dtype = result.scalar_type();
-  check_payloads(payloads, 2, numel, bits, block_size, dtype, "dequantize_sum");
-  check_out(result, dtype, numel, payloads.device(), "dequantize_sum");
-  TORCH_CHECK(divisor >= 1, "dequantize_sum: divisor must be >= 1, got ", divisor);
   const at::Tensor pc = payloads.contiguous();
   const int64_t B = block_size, nb = num_blocks(numel, B), rec = record_bytes(B, (int)bits);
   const int64_t rows = pc.size(0), row_bytes = pc.size(1);
@@ -250,32 +193,23 @@ void dequantize_sum_into_cpu(const at::Tensor& payloads, const at::Tensor& resul
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t start = blk * B, valid = std::min(B, numel - start);
         sum_rows(in, rows, row_bytes, blk, rec, valid, accumulate, acc.data(), codes.data());
-        for (int64_t j = 0; j < valid; ++j) op[start + j] = static_cast<scalar_t>(acc[j] / div);
+        for (int64_t j = 0; j < valid; ++j) {
+          op[start + j] = static_cast<scalar_t>(canonical(acc[j] / div));
+        }
       }
     });
   });
 }
 
-at::Tensor dequantize_sum_cpu(const at::Tensor& payloads, int64_t numel, int64_t bits,
-                              int64_t block_size, int64_t divisor, at::ScalarType dtype) {
-  check_payloads(payloads, 2, numel, bits, block_size, dtype, "dequantize_sum");
-  auto result = at::empty({numel}, payloads.options().dtype(dtype));
-  dequantize_sum_into_cpu(payloads, result, bits, block_size, divisor);
-  return result;
-}
-
-at::Tensor dequantize_sum_requantize_cpu(const at::Tensor& payloads,
-                                         const std::optional<at::Tensor>& residual, int64_t numel,
-                                         int64_t bits, int64_t block_size, int64_t divisor,
-                                         bool stochastic, int64_t seed, int64_t step,
-                                         int64_t rng_offset) {
-  check_payloads(payloads, 2, numel, bits, block_size, at::kFloat, "dequantize_sum_requantize");
-  check_residual(residual, numel, payloads.device(), "dequantize_sum_requantize");
-  TORCH_CHECK(divisor >= 1, "dequantize_sum_requantize: divisor must be >= 1, got ", divisor);
+void dequantize_sum_requantize_into_cpu(const at::Tensor& payloads,
+                                        const std::optional<at::Tensor>& residual,
+                                        const at::Tensor& packed, int64_t numel, int64_t bits,
+                                        int64_t block_size, int64_t divisor, bool stochastic,
+                                        int64_t seed, int64_t step, int64_t rng_offset) {
+  check_dequantize_sum_requantize(payloads, residual, packed, numel, bits, block_size, divisor);
   const at::Tensor pc = payloads.contiguous();
   const int64_t B = block_size, nb = num_blocks(numel, B), rec = record_bytes(B, (int)bits);
   const int64_t rows = pc.size(0), row_bytes = pc.size(1);
-  auto packed = at::empty({nb * rec}, payloads.options());
   const uint8_t* in = pc.data_ptr<uint8_t>();
   uint8_t* out = packed.data_ptr<uint8_t>();
   float* res = residual ? residual->data_ptr<float>() : nullptr;
@@ -297,23 +231,18 @@ at::Tensor dequantize_sum_requantize_cpu(const at::Tensor& payloads,
       encode(s.e.data(), valid, B, out + blk * rec, res ? s.deq.data() : nullptr, key,
              rng_offset + start, s.tree.data(), s.codes.data());
       if (res != nullptr) {
-        for (int64_t j = 0; j < valid; ++j) res[start + j] = sum[j] - div * s.deq[j];
+        for (int64_t j = 0; j < valid; ++j) res[start + j] = canonical(sum[j] - div * s.deq[j]);
       }
     }
   });
-  return packed;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ddpcomm, CPU, m) {
-  m.impl("quantize", &quantize_cpu);
-  m.impl("dequantize", &dequantize_cpu);
-  m.impl("dequantize_sum", &dequantize_sum_cpu);
-  m.impl("dequantize_sum_requantize", &dequantize_sum_requantize_cpu);
   m.impl("quantize_into", &quantize_into_cpu);
-  m.impl("dequantize_into", &dequantize_into_cpu);
   m.impl("dequantize_sum_into", &dequantize_sum_into_cpu);
+  m.impl("dequantize_sum_requantize_into", &dequantize_sum_requantize_into_cpu);
 }
 
 }  // namespace ddpcomm

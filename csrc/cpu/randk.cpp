@@ -1,4 +1,4 @@
-// CPU implementations of the random-k ops: randk_compress, randk_decompress(_into).
+// CPU implementations of the random-k ops: randk_compress_into, randk_decompress_into.
 // Indices come from csrc/numerics.h (randk_key / randk_index: one index per stratum, so
 // they are distinct, ascending and the same on every rank); ddpcomm/reference.py states
 // the semantics. The strata are contiguous ranges of the bucket, so a parallel task owns a
@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <limits>
 
 #include "../checks.h"
 #include "../numerics.h"
@@ -25,14 +24,12 @@ constexpr int64_t kTaskElements = 1 << 16;
 // Strata per parallel task.
 int64_t strata_grain(int64_t n, int64_t k) { return std::max<int64_t>(1, k * kTaskElements / n); }
 
-at::Tensor randk_compress_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                              int64_t k, int64_t seed, int64_t step, int64_t bucket) {
-  const char* op = "randk_compress";
-  check_sparse_input(x, residual, k, op);
-  const int64_t n = x.numel();
+void randk_compress_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                             const at::Tensor& values, int64_t seed, int64_t step, int64_t bucket) {
+  check_randk_compress(x, residual, values);
+  const int64_t n = x.numel(), k = values.numel();
   const at::Tensor xc = x.contiguous();
   float* res = residual ? residual->data_ptr<float>() : nullptr;
-  at::Tensor values = at::empty({k}, x.options().dtype(at::kFloat));
   float* vp = values.data_ptr<float>();
   const uint64_t key = randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket);
   // A non-finite entry is usually not among the k sent, so it is looked for over the whole
@@ -53,7 +50,7 @@ at::Tensor randk_compress_cpu(const at::Tensor& x, const std::optional<at::Tenso
         // Error feedback over the whole stratum: e = x + r, the chosen entry is sent
         // (r = 0 there), every other entry keeps e for the next step.
         for (int64_t t = lo; t < hi; ++t) {
-          const float e = static_cast<float>(xp[t]) + res[t];
+          const float e = canonical(static_cast<float>(xp[t]) + res[t]);
           res[t] = e;
           finite &= is_finite(e);
         }
@@ -63,19 +60,13 @@ at::Tensor randk_compress_cpu(const at::Tensor& x, const std::optional<at::Tenso
       if (!finite) all_finite.store(false, std::memory_order_relaxed);
     });
   });
-  if (!all_finite.load()) values.fill_(std::numeric_limits<float>::quiet_NaN());
-  return values;
+  if (!all_finite.load()) values.fill_(canonical_nan());
 }
 
 void randk_decompress_into_cpu(const at::Tensor& values, const at::Tensor& out, int64_t seed,
                                int64_t step, int64_t bucket, int64_t divisor) {
-  const char* op = "randk_decompress";
-  check_float_tensor(values, "values", op);
-  TORCH_CHECK(values.dim() == 1, op, ": values must be 1-D, got ", values.dim(), " dimensions");
-  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
+  check_randk_decompress(values, out, divisor);
   const int64_t k = values.numel(), numel = out.numel();
-  check_sparse_numel_k(numel, k, op);
-  check_divisor_dtype(divisor, out.scalar_type(), op);
   const at::Tensor vf = values.to(at::kFloat).contiguous();
   const float* vp = vf.data_ptr<float>();
   const float div = (float)divisor;
@@ -87,26 +78,16 @@ void randk_decompress_into_cpu(const at::Tensor& values, const at::Tensor& out, 
           for (int64_t j = j0; j < j1; ++j) {
             const int64_t lo = j * numel / k, hi = (j + 1) * numel / k;
             std::fill(o + lo, o + hi, static_cast<scalar_t>(0.0f));
-            o[randk_index(key, j, numel, k)] = static_cast<scalar_t>(vp[j] / div);
+            o[randk_index(key, j, numel, k)] = static_cast<scalar_t>(canonical(vp[j] / div));
           }
         });
       });
 }
 
-at::Tensor randk_decompress_cpu(const at::Tensor& values, int64_t numel, int64_t seed, int64_t step,
-                                int64_t bucket, int64_t divisor, at::ScalarType dtype) {
-  check_divisor_dtype(divisor, dtype, "randk_decompress");
-  check_sparse_numel_k(numel, values.numel(), "randk_decompress");
-  at::Tensor out = at::empty({numel}, values.options().dtype(dtype));
-  randk_decompress_into_cpu(values, out, seed, step, bucket, divisor);
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ddpcomm, CPU, m) {
-  m.impl("randk_compress", &randk_compress_cpu);
-  m.impl("randk_decompress", &randk_decompress_cpu);
+  m.impl("randk_compress_into", &randk_compress_into_cpu);
   m.impl("randk_decompress_into", &randk_decompress_into_cpu);
 }
 

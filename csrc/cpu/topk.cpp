@@ -1,4 +1,4 @@
-// CPU implementations of the top-k ops: topk_compress(_into) and sparse_accumulate(_into).
+// CPU implementations of the top-k ops: topk_compress_into and sparse_accumulate_into.
 // Selection order, sampling and the payload layout come from csrc/numerics.h
 // ("Sparsification"); ddpcomm/reference.py states the semantics. Random-k: randk.cpp.
 //
@@ -44,7 +44,6 @@ namespace {
 // most of them below ~1% density, skip the compaction).
 constexpr int64_t kChunk = 1 << 16;
 constexpr int64_t kBlock = 64;
-constexpr bool kSkipEmptyBlocks = false;
 
 int64_t num_chunks(int64_t n) { return (n + kChunk - 1) / kChunk; }
 
@@ -162,10 +161,9 @@ void collect(const T* x, float* res, int64_t n, uint32_t thr, double keep_fracti
         uint32_t block_max = 0;
         for (int64_t j = 0; j < len; ++j) {
           float v = static_cast<float>(x[b + j]);
-          if (kFuse) {
-            v = v + res[b + j];
-            res[b + j] = v;
-          }
+          if (kFuse) v = v + res[b + j];
+          v = canonical(v);
+          if (kFuse) res[b + j] = v;
           bits[j] = float_bits(v);
           const uint32_t key = bits[j] & 0x7FFFFFFFu;
           hits += key >= thr ? 1 : 0;
@@ -194,7 +192,7 @@ uint32_t sample_threshold(const T* x, const float* res, int64_t n, int64_t rank,
     const int64_t i = topk_sample_index(key, j, n);
     float v = static_cast<float>(x[i]);
     if (res != nullptr) v = v + res[i];
-    keys[j] = magnitude_key(v);
+    keys[j] = magnitude_key(canonical(v));
   }
   std::nth_element(keys.begin(), keys.begin() + rank, keys.end(), std::greater<uint32_t>());
   return keys[rank];
@@ -213,7 +211,7 @@ uint32_t histogram_threshold(const T* e, int64_t n, int64_t k) {
       std::vector<int64_t>& h = hist[p];
       h.assign(kBins, 0);
       for (int64_t i = p * n / parts; i < (p + 1) * n / parts; ++i) {
-        h[magnitude_key(static_cast<float>(e[i])) >> 16] += 1;
+        h[magnitude_key(canonical(static_cast<float>(e[i]))) >> 16] += 1;
       }
     }
   });
@@ -226,7 +224,8 @@ uint32_t histogram_threshold(const T* e, int64_t n, int64_t k) {
 }
 
 // Writes entry o of the payload (index i, value e cast to the value dtype) and, with error
-// feedback, leaves in the residual what the cast lost (0 for float32 values).
+// feedback, leaves in the residual what the cast lost (0 for float32 values). e is canonical
+// (numerics.h), so a NaN value is stored as its dtype's canonical NaN.
 struct PayloadWriter {
   int32_t* index;
   uint8_t* values;
@@ -247,7 +246,7 @@ struct PayloadWriter {
     } else {
       reinterpret_cast<float*>(values)[o] = e;
     }
-    if (res != nullptr) res[i] = e - sent;
+    if (res != nullptr) res[i] = canonical(e - sent);
   }
 };
 
@@ -362,11 +361,7 @@ void emit_padded(const std::vector<Candidates>& cands, int64_t k, const PayloadW
 void topk_compress_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                             const at::Tensor& packed, int64_t k, bool approximate, int64_t seed,
                             int64_t step, std::optional<at::ScalarType> value_dtype) {
-  const char* op = "topk_compress";
-  check_sparse_input(x, residual, k, op);
-  const at::ScalarType vtype = value_dtype.value_or(at::kFloat);
-  check_value_dtype(vtype, op);
-  check_topk_out(packed, k, vtype, op);
+  const at::ScalarType vtype = check_topk_compress(x, residual, packed, k, value_dtype);
   const int64_t n = x.numel();
   const at::Tensor xc = x.contiguous();
   float* res = residual ? residual->data_ptr<float>() : nullptr;
@@ -394,8 +389,9 @@ void topk_compress_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>
       emit_best(cands, k, thr, w);
     } else if (approximate) {
       // res already holds e after the fused pass.
-      emit_padded(cands, k, w,
-                  [&](int64_t i) { return res != nullptr ? res[i] : static_cast<float>(xp[i]); });
+      emit_padded(cands, k, w, [&](int64_t i) {
+        return res != nullptr ? res[i] : canonical(static_cast<float>(xp[i]));
+      });
     } else if (res != nullptr) {
       const uint32_t safe = histogram_threshold(res, n, k);
       collect<float, false>(res, nullptr, n, safe, safe_keep, cands);
@@ -406,18 +402,6 @@ void topk_compress_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>
       emit_best(cands, k, safe, w);
     }
   });
-}
-
-at::Tensor topk_compress_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                             int64_t k, bool approximate, int64_t seed, int64_t step,
-                             std::optional<at::ScalarType> value_dtype) {
-  check_value_dtype(value_dtype.value_or(at::kFloat), "topk_compress");
-  check_sparse_numel_k(x.numel(), k, "topk_compress");
-  at::Tensor packed =
-      at::empty({topk_payload_bytes(k, at::elementSize(value_dtype.value_or(at::kFloat)))},
-                x.options().dtype(at::kByte));
-  topk_compress_into_cpu(x, residual, packed, k, approximate, seed, step, value_dtype);
-  return packed;
 }
 
 // Checks that every row's indices are strictly increasing and below numel, so rows can be
@@ -444,12 +428,17 @@ void check_rows(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t k, i
   }
 }
 
+// Adds one row into acc. Indices outside [0, numel) are skipped, so rows that were not
+// validated (check=False) can give wrong sums but never write out of bounds.
 template <typename V>
-void scatter_add_row(const uint8_t* row, int64_t k, float* acc) {
+void scatter_add_row(const uint8_t* row, int64_t k, int64_t numel, float* acc) {
   const int32_t* idx = reinterpret_cast<const int32_t*>(row);
   const V* val = reinterpret_cast<const V*>(row + 4 * k);
   at::parallel_for(0, k, 1 << 14, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) acc[idx[j]] = acc[idx[j]] + static_cast<float>(val[j]);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t i = idx[j];
+      if (i >= 0 && i < numel) acc[i] = canonical(acc[i] + static_cast<float>(val[j]));
+    }
   });
 }
 
@@ -457,23 +446,21 @@ void scatter_add_row(const uint8_t* row, int64_t k, float* acc) {
 // `acc` itself when it is float32). Both are caller-owned, so the hot path allocates
 // nothing: a fresh bucket-sized tensor costs more in first-touch page faults than the sum.
 void accumulate_rows(const at::Tensor& payloads, float* acc, const at::Tensor& out, int64_t k,
-                     int64_t divisor, at::ScalarType value_dtype, const char* op) {
+                     int64_t divisor, at::ScalarType value_dtype, bool check) {
   const int64_t numel = out.numel();
-  check_sparse_payloads(payloads, numel, k, value_dtype, op);
-  check_divisor_dtype(divisor, out.scalar_type(), op);
-  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
   const at::Tensor pc = payloads.contiguous();
   const int64_t rows = pc.size(0), row_bytes = pc.size(1);
   const uint8_t* in = pc.data_ptr<uint8_t>();
-  check_rows(in, rows, row_bytes, k, numel);
+  if (check) check_rows(in, rows, row_bytes, k, numel);
 
   at::parallel_for(0, numel, kChunk,
                    [&](int64_t i0, int64_t i1) { std::fill(acc + i0, acc + i1, 0.0f); });
   // Rank order: row r is added only after row r - 1, so duplicates across ranks sum in
   // rank order; within a row indices are distinct, so the row scatters in parallel.
   for (int64_t r = 0; r < rows; ++r) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, value_dtype, "sparse_accumulate",
-                                    [&] { scatter_add_row<scalar_t>(in + r * row_bytes, k, acc); });
+    AT_DISPATCH_FLOATING_TYPES_AND2(
+        at::kHalf, at::kBFloat16, value_dtype, "sparse_accumulate",
+        [&] { scatter_add_row<scalar_t>(in + r * row_bytes, k, numel, acc); });
   }
   if (divisor == 1 && out.scalar_type() == at::kFloat) return;
   const float div = (float)divisor;
@@ -482,7 +469,7 @@ void accumulate_rows(const at::Tensor& payloads, float* acc, const at::Tensor& o
                                     scalar_t* o = out.data_ptr<scalar_t>();
                                     at::parallel_for(0, numel, kChunk, [&](int64_t i0, int64_t i1) {
                                       for (int64_t i = i0; i < i1; ++i) {
-                                        o[i] = static_cast<scalar_t>(acc[i] / div);
+                                        o[i] = static_cast<scalar_t>(canonical(acc[i] / div));
                                       }
                                     });
                                   });
@@ -490,39 +477,15 @@ void accumulate_rows(const at::Tensor& payloads, float* acc, const at::Tensor& o
 
 void sparse_accumulate_into_cpu(const at::Tensor& payloads, const at::Tensor& out,
                                 const std::optional<at::Tensor>& scratch, int64_t k,
-                                int64_t divisor, at::ScalarType value_dtype) {
-  const char* op = "sparse_accumulate_into";
-  if (out.scalar_type() == at::kFloat) {
-    accumulate_rows(payloads, out.data_ptr<float>(), out, k, divisor, value_dtype, op);
-    return;
-  }
-  TORCH_CHECK(scratch.has_value(), op,
-              ": a float16/bfloat16 out needs a float32 scratch of out.numel() elements, "
-              "got none");
-  TORCH_CHECK(scratch->scalar_type() == at::kFloat && scratch->is_contiguous() &&
-                  scratch->numel() == out.numel(),
-              op, ": scratch must be a contiguous float32 tensor of ", out.numel(),
-              " elements, got ", scratch->scalar_type(), " of ", scratch->numel());
-  accumulate_rows(payloads, scratch->data_ptr<float>(), out, k, divisor, value_dtype, op);
-}
-
-at::Tensor sparse_accumulate_cpu(const at::Tensor& payloads, int64_t numel, int64_t k,
-                                 int64_t divisor, at::ScalarType value_dtype,
-                                 at::ScalarType dtype) {
-  const char* op = "sparse_accumulate";
-  check_sparse_numel_k(numel, k, op);
-  check_divisor_dtype(divisor, dtype, op);
-  at::Tensor acc = at::empty({numel}, payloads.options().dtype(at::kFloat));
-  at::Tensor out = dtype == at::kFloat ? acc : at::empty({numel}, acc.options().dtype(dtype));
-  accumulate_rows(payloads, acc.data_ptr<float>(), out, k, divisor, value_dtype, op);
-  return out;
+                                int64_t divisor, at::ScalarType value_dtype, bool check) {
+  check_sparse_accumulate(payloads, out, scratch, k, divisor, value_dtype);
+  float* acc = out.scalar_type() == at::kFloat ? out.data_ptr<float>() : scratch->data_ptr<float>();
+  accumulate_rows(payloads, acc, out, k, divisor, value_dtype, check);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ddpcomm, CPU, m) {
-  m.impl("topk_compress", &topk_compress_cpu);
-  m.impl("sparse_accumulate", &sparse_accumulate_cpu);
   m.impl("topk_compress_into", &topk_compress_into_cpu);
   m.impl("sparse_accumulate_into", &sparse_accumulate_into_cpu);
 }

@@ -8,21 +8,15 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <vector>
 
+#include "binding.h"
 #include "launchers.h"
 
 namespace ddpcomm {
 namespace {
-
-int64_t total_numel(at::TensorList tensors) {
-  int64_t total = 0;
-  for (const at::Tensor& t : tensors) total += t.numel();
-  return total;
-}
 
 // Copies every entry of `tensors` to (to_flat) or from its place in `flat`.
 void copy_list(const at::Tensor& flat, at::TensorList tensors, bool to_flat) {
@@ -34,7 +28,7 @@ void copy_list(const at::Tensor& flat, at::TensorList tensors, bool to_flat) {
   if (off.back() > 0) {
     C10_CUDA_CHECK(cuda::launch_multi_tensor_copy(static_cast<uint8_t*>(flat.data_ptr()),
                                                   (int64_t)tensors.size(), ptrs.data(), off.data(),
-                                                  to_flat, c10::cuda::getCurrentCUDAStream()));
+                                                  to_flat, current_stream()));
   }
   // The rest (views with gaps, conjugate or negative views): one strided copy each, as the
   // CPU op does, queued after the kernel on the same stream.

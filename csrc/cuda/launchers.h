@@ -4,7 +4,8 @@
 // pointers, sizes and a cudaStream_t in, a cudaError_t out. No torch header is included, so
 // `nvcc -c csrc/cuda/*_kernels.cu` compile-checks every kernel on a machine with neither a
 // GPU nor a CUDA build of torch (see the Makefile's nvcc-check). The torch bindings
-// (csrc/cuda/<family>.cpp) validate arguments, allocate outputs and call these.
+// (csrc/cuda/<family>.cpp) validate arguments, allocate the workspaces these ask for (from
+// torch's caching allocator, sized on the host alone) and call them.
 //
 // Every launcher enqueues its kernels on `stream` and returns the launch status
 // (cudaGetLastError), or cudaErrorInvalidValue for arguments it cannot honour; it never
@@ -39,8 +40,14 @@ struct QuantizeArgs {
   uint8_t* out;        // payload_bytes(numel, block_size, bits) bytes
 };
 
+// Device scratch that an encode (quantize, dequantize_sum_requantize) of numel elements needs,
+// in bytes, 4-byte aligned: 0 up to block_size 8192; larger blocks are split over several CTAs
+// that combine partial reductions through it.
+int64_t encode_workspace_bytes(int64_t numel, int bits, int64_t block_size, bool stochastic);
+
 // quantize: out = payload of x (+ residual); residual = e - dequantized(e) when given.
-cudaError_t launch_quantize(const QuantizeArgs& a, cudaStream_t stream);
+// workspace: encode_workspace_bytes(...) bytes (may be nullptr when that is 0).
+cudaError_t launch_quantize(const QuantizeArgs& a, void* workspace, cudaStream_t stream);
 
 // `rows` payloads of `row_bytes` bytes each, back to back (row r starts at r * row_bytes).
 struct PayloadRows {
@@ -61,7 +68,7 @@ cudaError_t launch_dequantize_sum(const PayloadRows& p, int64_t divisor, void* o
 // residual = S - divisor * dequantized (when residual is not nullptr).
 cudaError_t launch_dequantize_sum_requantize(const PayloadRows& p, float* residual, int64_t divisor,
                                              bool stochastic, uint64_t rng_key, int64_t rng_offset,
-                                             uint8_t* out, cudaStream_t stream);
+                                             uint8_t* out, void* workspace, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
 // Multi-tensor flatten family (csrc/flatten.h). Entry i of `count` occupies flat bytes
@@ -78,36 +85,29 @@ cudaError_t launch_multi_tensor_copy(uint8_t* flat, int64_t count, void* const* 
 // Sparsification family (csrc/numerics.h "Sparsification"). 1 <= k <= n <= 2^31 - 1.
 // ---------------------------------------------------------------------------------------
 
-// topk_compress in phases, so the binding can size the candidate buffers with torch's
-// allocator: scan (sample threshold, fused EF add, candidate count), read the count (the one
-// host synchronization), then either padded (approximate mode, fewer than k candidates) or
-// select (after all_candidates when exact mode got fewer than k).
+// topk_compress, without any host synchronization: the candidate count that picks the path
+// stays on the device, and the binding sizes every buffer up front from n and the capacity.
 struct TopkArgs {
   const void* x;
   FloatType x_type;
   float* residual;  // nullptr: no error feedback
   int64_t n;
   int64_t k;
+  bool approximate;
   uint64_t rng_key;     // numerics.h rng_key(seed, step)
   int64_t samples;      // topk_sample_count(n)
   int64_t sample_rank;  // topk_approx_rank or topk_exact_rank
+  int64_t capacity;     // topk_candidate_capacity(n, samples, sample_rank)
   FloatType value_type;
   uint8_t* out;  // topk_payload_bytes(k, value bytes), 4-byte aligned
 };
 
-int64_t topk_workspace_bytes(int64_t n);
-int64_t topk_select_workspace_bytes(int64_t candidates);
-cudaError_t launch_topk_scan(const TopkArgs& a, void* workspace, cudaStream_t stream);
-cudaError_t topk_read_candidates(void* workspace, int64_t* candidates, cudaStream_t stream);
-cudaError_t launch_topk_padded(const TopkArgs& a, void* workspace, int64_t candidates,
-                               cudaStream_t stream);
-// Exact mode's fallback: threshold 0, every entry a candidate (n of them).
-cudaError_t launch_topk_all_candidates(const TopkArgs& a, void* workspace, cudaStream_t stream);
-// cand_bits / cand_index hold `candidates` entries; select_workspace is
-// topk_select_workspace_bytes(candidates) bytes, 8-byte aligned.
-cudaError_t launch_topk_select(const TopkArgs& a, void* workspace, int64_t candidates,
-                               uint32_t* cand_bits, int32_t* cand_index, void* select_workspace,
-                               cudaStream_t stream);
+// Candidates the compacted path has room for; more (or, in exact mode, fewer than k) take the
+// dense path, which selects over every entry. Both give the same payload.
+int64_t topk_candidate_capacity(int64_t n, int64_t samples, int64_t sample_rank);
+int64_t topk_workspace_bytes(int64_t n, int64_t capacity);
+// workspace: topk_workspace_bytes(n, capacity) bytes, 256-byte aligned.
+cudaError_t launch_topk_compress(const TopkArgs& a, void* workspace, cudaStream_t stream);
 
 // sparse_accumulate: rows of [k int32 indices][k values], row r at data + r * row_bytes.
 struct SparsePayloads {
@@ -121,10 +121,12 @@ struct SparsePayloads {
 
 int64_t sparse_tiles(int64_t numel);
 // bad: rows int32 preset to INT32_MAX, left there for a valid row, else the first bad
-// position; start: rows * (sparse_tiles(numel) + 1) int32 (the tile boundary table).
+// position (nullptr: no validation); start: rows * (sparse_tiles(numel) + 1) int32 (the
+// tile boundary table).
 cudaError_t launch_sparse_index(const SparsePayloads& p, int32_t* bad, int32_t* start,
                                 cudaStream_t stream);
-// Only after launch_sparse_index found every row valid.
+// After launch_sparse_index. Rows it would have refused give unspecified sums, but no write
+// lands outside `out`.
 cudaError_t launch_sparse_accumulate(const SparsePayloads& p, const int32_t* start, int64_t divisor,
                                      void* out, FloatType out_type, cudaStream_t stream);
 

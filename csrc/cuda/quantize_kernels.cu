@@ -21,20 +21,19 @@
 // leaves every lane with the same bits because float addition commutes), the last three
 // levels pair k inside the thread. Max |e| and the non-finite flag are order-independent.
 // For R <= 4 (B <= 8192) the block stays in registers between the reduction and the code
-// pass: each input byte is read once. Larger blocks (B >= 16384) stream rows from global
-// memory in both passes; the second read is served mostly by L2.
+// pass: each input byte is read once. Larger blocks (B >= 16384) are split over several CTAs
+// each (the split path below), so that a tensor of few such blocks still fills the GPU.
 //
 // Decode kernels (dequantize, dequantize_sum) need no reduction: one thread per chunk, the N
 // payload rows summed in row order in registers, one vector store.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include <type_traits>
 
 #include "../numerics.h"
+#include "elements.cuh"
 #include "launchers.h"
 
 namespace ddpcomm {
@@ -46,52 +45,9 @@ constexpr int kVec = 8;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxRegRows = 4;      // rows a thread keeps in registers (B <= 8 * 256 * 4)
 constexpr int kMaxStackLevels = 6;  // streaming tree over up to 32 rows (B = 65536)
-
-// The NaN every ddpcomm kernel stores for a non-finite block: the bits of C's NAN, which is
-// what the CPU op writes.
-__device__ __forceinline__ float canonical_nan() { return __int_as_float(0x7fc00000); }
-
-// ---------------------------------------------------------------------------------------
-// Element conversions. torch builds CUDA code with __CUDA_NO_HALF_CONVERSIONS__ and
-// friends, so every conversion is an explicit intrinsic. float -> half/bf16 rounds to
-// nearest even, as torch's casts do.
-// ---------------------------------------------------------------------------------------
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-__device__ __forceinline__ float half_bits_to_float(uint32_t h) {
-  return __half2float(__ushort_as_half((unsigned short)h));
-}
-// bf16 is the top half of an fp32: widening is a shift, exact.
-__device__ __forceinline__ float bf16_bits_to_float(uint32_t h) { return __uint_as_float(h << 16); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t to_bits16(T v);
-template <>
-__device__ __forceinline__ uint32_t to_bits16<__half>(__half v) {
-  return __half_as_ushort(v);
-}
-template <>
-__device__ __forceinline__ uint32_t to_bits16<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat16_as_ushort(v);
-}
+// Larger blocks are split over CTAs until a launch has this many: about 4 CTAs of 256 threads
+// per SM of a 132-SM H100 (a 1M-element tensor in blocks of 65536 had 16 CTAs for 132 SMs).
+constexpr int64_t kFillCtas = 512;
 
 // Loads elements [i0, i0 + 8) of p as floats, 0 past n. `vec` says p is 16-byte aligned;
 // i0 is a multiple of 8, so a full chunk is then one (or two) aligned 16-byte loads.
@@ -124,14 +80,18 @@ __device__ __forceinline__ void load8(const T* __restrict__ p, int64_t i0, int64
   }
 }
 
-// Stores v[0, 8) to elements [i0, i0 + 8) of p, only those below n.
+// Stores v[0, 8) to elements [i0, i0 + 8) of p, only those below n. Every value goes through
+// from_float, so NaNs are stored canonical (numerics.h).
 template <typename T>
 __device__ __forceinline__ void store8(T* __restrict__ p, int64_t i0, int64_t n, bool vec,
                                        const float (&v)[kVec]) {
   if (vec && i0 + kVec <= n) {
     if constexpr (sizeof(T) == 4) {
-      *reinterpret_cast<float4*>(p + i0) = make_float4(v[0], v[1], v[2], v[3]);
-      *reinterpret_cast<float4*>(p + i0 + 4) = make_float4(v[4], v[5], v[6], v[7]);
+      float c[kVec];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) c[k] = from_float<float>(v[k]);
+      *reinterpret_cast<float4*>(p + i0) = make_float4(c[0], c[1], c[2], c[3]);
+      *reinterpret_cast<float4*>(p + i0 + 4) = make_float4(c[4], c[5], c[6], c[7]);
     } else {
       uint32_t words[4];
 #pragma unroll
@@ -367,7 +327,8 @@ struct EncodeParams {
   uint8_t* out;
   bool out_aligned;  // out is 4-byte aligned: scales and codes are stored as words
   int64_t rec;
-  bool residual;  // write the residual
+  bool residual;    // write the residual
+  int log2_slices;  // split path (R > kMaxRegRows): S = 2^log2_slices CTAs per block
 };
 
 // Shared scratch for the cross-warp levels of the group reduction: 8 tree partials and the
@@ -560,70 +521,165 @@ __global__ void __launch_bounds__(kThreads) encode_kernel_regs(Src src, EncodePa
   }
 }
 
-// B >= 16384: rows stream from global memory twice, once per pass. One group per CTA.
-template <class Src, int kBits>
-__global__ void __launch_bounds__(kThreads) encode_kernel_stream(Src src, EncodeParams p) {
-  __shared__ float levels[1 << kBits];
-  __shared__ ReduceScratch scratch;
-  fill_levels<kBits>(levels);
-  __syncthreads();
-  EncodeThread t = encode_thread(p);
-  t.tree = kBits == 1 && !p.stochastic;
-  const int R = p.rows, log2_rows = 31 - __clz(R);
+// ---------------------------------------------------------------------------------------
+// Split path, B >= 16384 (R = B / 2048 >= 8 rows of 256 chunks): each block is split over
+// S = 2^log2_slices CTAs, enough for the launch to fill the GPU (kFillCtas), in three kernels:
+// partials (per CTA: max |e| and, for the tree, the per-thread row-tree sums), magnitude (one
+// CTA per block combines them and stores the scale), emit (per CTA: codes and residuals of its
+// rows, the scale read back). CTA s of a block owns rows r = s + S t, t < R / S: r's top bits
+// are t, so each CTA first completes the row tree over t on its own; the partials then pair s
+// with s + S/2, ... (r's low bits) before the thread and lane levels, exactly the order of
+// numerics.h. Rows stream from global memory in both passes (the second read mostly from L2).
+// ---------------------------------------------------------------------------------------
 
-  // Rows arrive in bit-reversed order when summing the tree, so its pairs (r, r + R/2),
-  // then (r, r + R/4), ... become neighbours and a binary-counter stack adds them in
-  // exactly the tree's order; level l holds the pending left sibling of size 2^l rows.
-  float stack[kMaxStackLevels][kVec];
-  float mx = 0.0f;
-  for (int c = 0; c < R; ++c) {
-    const int r = t.tree ? (int)(__brev((unsigned)c) >> (32 - log2_rows)) : c;
-    float cur[kVec];
-    if (t.active) {
-      src.load(t.start + t.row_offset(r), levels, cur);
-    } else {
+// c's low `bits` bits, reversed.
+__device__ __forceinline__ int bit_reverse(int c, int bits) {
+  return bits == 0 ? 0 : (int)(__brev((unsigned)c) >> (32 - bits));
+}
+
+// Adds rows in the pairwise tree's order when they arrive in bit-reversed order: pairs
+// (r, r + R/2), then (r, r + R/4), ... become neighbours, and a binary counter adds them;
+// level l holds the pending left sibling covering 2^l rows. After 2^L pushes the whole tree
+// sits at level L.
+struct TreeStack {
+  float v[kMaxStackLevels][kVec];
+
+  __device__ __forceinline__ void push(int c, float (&cur)[kVec]) {
+    bool placed = false;
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) cur[k] = 0.0f;
-    }
-    fold_max(src, cur, mx);
-    if (t.tree) {
+    for (int l = 0; l < kMaxStackLevels; ++l) {
+      if (!placed) {
+        if ((c >> l) & 1) {
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) cur[k] = fabsf(src.to_e(cur[k]));
-      bool placed = false;
+          for (int k = 0; k < kVec; ++k) cur[k] = v[l][k] + cur[k];
+        } else {
 #pragma unroll
-      for (int l = 0; l < kMaxStackLevels; ++l) {
-        if (!placed) {
-          if ((c >> l) & 1) {
-#pragma unroll
-            for (int k = 0; k < kVec; ++k) cur[k] = stack[l][k] + cur[k];
-          } else {
-#pragma unroll
-            for (int k = 0; k < kVec; ++k) stack[l][k] = cur[k];
-            placed = true;
-          }
+          for (int k = 0; k < kVec; ++k) v[l][k] = cur[k];
+          placed = true;
         }
       }
     }
   }
-  // After R = 2^log2_rows rows the whole row tree sits at level log2_rows.
+
+  __device__ __forceinline__ void root(int levels, float (&out)[kVec]) const {
+#pragma unroll
+    for (int l = 0; l < kMaxStackLevels; ++l) {
+      if (l == levels) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) out[k] = v[l][k];
+      }
+    }
+  }
+};
+
+// The thread's view of its block on the split path (one group of kThreads per block).
+__device__ __forceinline__ EncodeThread split_thread(const EncodeParams& p, int64_t blk) {
+  EncodeThread t;
+  t.G = kThreads;
+  t.g = threadIdx.x;
+  t.blk = blk;
+  t.active = true;
+  const int64_t B = int64_t(1) << p.log2_block;
+  t.start = blk * B;
+  t.valid = p.n - t.start < B ? p.n - t.start : B;
+  t.tree = false;
+  return t;
+}
+
+// Pass 1, grid nblocks * S: max |e| of the CTA's rows (+inf for a non-finite value) into
+// part_max[cta]; for the tree, each thread's row-tree sums into part_sum[cta][thread][k].
+template <class Src, int kBits>
+__global__ void __launch_bounds__(kThreads)
+    encode_partials_kernel(Src src, EncodeParams p, float* part_max, float* part_sum) {
+  __shared__ float levels[1 << kBits];
+  __shared__ float warp_max[kWarps];
+  fill_levels<kBits>(levels);
+  __syncthreads();
+  const int64_t blk = blockIdx.x >> p.log2_slices;
+  const int s = blockIdx.x & ((1 << p.log2_slices) - 1);
+  const EncodeThread t = split_thread(p, blk);
+  const bool tree = kBits == 1 && !p.stochastic;
+  const int log2_mine = 31 - __clz(p.rows) - p.log2_slices, mine = 1 << log2_mine;
+
+  TreeStack stack;
+  float mx = 0.0f;
+  for (int c = 0; c < mine; ++c) {
+    const int r = s + ((tree ? bit_reverse(c, log2_mine) : c) << p.log2_slices);
+    float cur[kVec];
+    src.load(t.start + t.row_offset(r), levels, cur);
+    fold_max(src, cur, mx);
+    if (tree) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) cur[k] = fabsf(src.to_e(cur[k]));
+      stack.push(c, cur);
+    }
+  }
+  if (tree) {
+    float part[kVec];
+    stack.root(log2_mine, part);
+    float* dst = part_sum + ((int64_t)blockIdx.x * kThreads + threadIdx.x) * kVec;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) dst[k] = part[k];
+  }
+  // The max is order-independent: any reduction order gives the same bits.
+#pragma unroll
+  for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = mx;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float m = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_max[w]);
+    part_max[blockIdx.x] = m;
+  }
+}
+
+// Pass 2, grid nblocks: combines the block's S partials (slices s and s + S/2 first, by the
+// same stack over bit-reversed s), reduces over threads and k, stores the scale.
+template <int kBits>
+__global__ void __launch_bounds__(kThreads)
+    encode_magnitude_kernel(EncodeParams p, const float* part_max, const float* part_sum) {
+  __shared__ ReduceScratch scratch;
+  const int64_t blk = blockIdx.x;
+  const int S = 1 << p.log2_slices;
+  EncodeThread t = split_thread(p, blk);
+  t.tree = kBits == 1 && !p.stochastic;
+  float mx = 0.0f;
+  for (int s = 0; s < S; ++s) mx = fmaxf(mx, part_max[blk * S + s]);
   float part[kVec];
 #pragma unroll
   for (int k = 0; k < kVec; ++k) part[k] = 0.0f;
   if (t.tree) {
+    TreeStack stack;
+    for (int c = 0; c < S; ++c) {
+      const int s = bit_reverse(c, p.log2_slices);
+      const float* src = part_sum + ((blk * S + s) * kThreads + threadIdx.x) * kVec;
+      float cur[kVec];
 #pragma unroll
-    for (int l = 0; l < kMaxStackLevels; ++l) {
-      if (l == log2_rows) {
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) part[k] = stack[l][k];
-      }
+      for (int k = 0; k < kVec; ++k) cur[k] = src[k];
+      stack.push(c, cur);
     }
+    stack.root(p.log2_slices, part);
   }
-  const float m = block_magnitude(t, part, mx, p.log2_group, scratch);
-  if (!t.active) return;  // no barrier follows
-  if (t.g == 0) store_scale(p.out + t.blk * p.rec, m, p.out_aligned);
+  const float m = block_magnitude(t, part, mx, 8, scratch);  // G = 256 = 2^8 threads
+  if (threadIdx.x == 0) store_scale(p.out + blk * p.rec, m, p.out_aligned);
+}
+
+// Pass 3, grid nblocks * S: codes (and residuals) of the CTA's rows, from the stored scale.
+template <class Src, int kBits>
+__global__ void __launch_bounds__(kThreads) encode_emit_kernel(Src src, EncodeParams p) {
+  __shared__ float levels[1 << kBits];
+  fill_levels<kBits>(levels);
+  __syncthreads();
+  const int64_t blk = blockIdx.x >> p.log2_slices;
+  const int s = blockIdx.x & ((1 << p.log2_slices) - 1);
+  const EncodeThread t = split_thread(p, blk);
+  const float m = load_scale(p.out + blk * p.rec, p.out_aligned);
   const bool degenerate = block_is_degenerate(m);
   const float inv = block_inv(m, kBits);
-  for (int r = 0; r < R; ++r) {
+  const int mine = p.rows >> p.log2_slices;
+  for (int c = 0; c < mine; ++c) {
+    const int r = s + (c << p.log2_slices);
     float cur[kVec];
     src.load(t.start + t.row_offset(r), levels, cur);
     emit_row<Src, kBits>(src, p, t, r, cur, m, inv, degenerate, levels);
@@ -647,11 +703,25 @@ int log2_exact(int64_t v) {
 
 bool grid_fits(int64_t ctas) { return ctas >= 1 && ctas <= 0x7fffffffLL; }
 
+// Split path scratch: one max per CTA, and for the tree kThreads * kVec sums per CTA.
+int64_t split_workspace_floats(const EncodeParams& p, int bits, int64_t ctas) {
+  if (p.rows <= kMaxRegRows) return 0;
+  const bool tree = bits == 1 && !p.stochastic;
+  return ctas + (tree ? ctas * kThreads * kVec : 0);
+}
+
 template <class Src, int kBits>
-cudaError_t launch_encode_bits(const Src& src, const EncodeParams& p, int64_t ctas,
+cudaError_t launch_encode_bits(const Src& src, const EncodeParams& p, int64_t ctas, void* workspace,
                                cudaStream_t stream) {
   if (p.rows > kMaxRegRows) {
-    encode_kernel_stream<Src, kBits><<<(unsigned)ctas, kThreads, 0, stream>>>(src, p);
+    if (workspace == nullptr) return cudaErrorInvalidValue;
+    float* part_max = static_cast<float*>(workspace);
+    float* part_sum = part_max + ctas;
+    encode_partials_kernel<Src, kBits>
+        <<<(unsigned)ctas, kThreads, 0, stream>>>(src, p, part_max, part_sum);
+    encode_magnitude_kernel<kBits>
+        <<<(unsigned)p.nblocks, kThreads, 0, stream>>>(p, part_max, part_sum);
+    encode_emit_kernel<Src, kBits><<<(unsigned)ctas, kThreads, 0, stream>>>(src, p);
   } else if (p.rows > 1) {
     encode_kernel_regs<Src, kBits, kMaxRegRows><<<(unsigned)ctas, kThreads, 0, stream>>>(src, p);
   } else {
@@ -660,33 +730,33 @@ cudaError_t launch_encode_bits(const Src& src, const EncodeParams& p, int64_t ct
   return cudaGetLastError();
 }
 
-// Fills the geometry of an encode launch; returns the CTA count (0: nothing to do).
-int64_t encode_geometry(int64_t n, int bits, int64_t block, EncodeParams& p) {
+// The one builder of an encode launch (quantize and dequantize_sum_requantize): geometry and
+// options. Returns the CTA count (of the partials and emit kernels on the split path).
+int64_t encode_params(int64_t n, int bits, int64_t block, bool stochastic, uint64_t rng_key,
+                      int64_t rng_offset, uint8_t* out, bool residual, EncodeParams& p) {
+  p = EncodeParams{};
   p.n = n;
   p.nblocks = num_blocks(n, block);
   p.log2_block = log2_exact(block);
   p.log2_group = p.log2_block - 3 < 8 ? p.log2_block - 3 : 8;  // G = min(B / 8, 256)
   p.rows = (int)(block / (kVec << p.log2_group));
   p.rec = record_bytes(block, bits);
+  p.stochastic = stochastic;
+  p.rng_key = rng_key;
+  p.rng_offset = rng_offset;
+  p.out = out;
+  p.out_aligned = (reinterpret_cast<uintptr_t>(out) & 3u) == 0;
+  p.residual = residual;
+  p.log2_slices = 0;
+  if (p.rows > kMaxRegRows) {
+    // Split each block over more CTAs (at most one row each) until the launch fills the GPU.
+    while ((1 << p.log2_slices) < p.rows && (p.nblocks << p.log2_slices) < kFillCtas) {
+      ++p.log2_slices;
+    }
+    return p.nblocks << p.log2_slices;
+  }
   const int64_t per_cta = kThreads >> p.log2_group;
   return (p.nblocks + per_cta - 1) / per_cta;
-}
-
-template <typename T>
-cudaError_t launch_quantize_typed(const QuantizeArgs& a, const EncodeParams& p, int64_t ctas,
-                                  cudaStream_t stream) {
-  const T* x = static_cast<const T*>(a.x);
-  const QuantizeSource<T> src{x, a.residual, a.numel, aligned16(x), aligned16(a.residual)};
-  switch (a.bits) {
-    case 1:
-      return launch_encode_bits<QuantizeSource<T>, 1>(src, p, ctas, stream);
-    case 2:
-      return launch_encode_bits<QuantizeSource<T>, 2>(src, p, ctas, stream);
-    case 4:
-      return launch_encode_bits<QuantizeSource<T>, 4>(src, p, ctas, stream);
-    default:
-      return launch_encode_bits<QuantizeSource<T>, 8>(src, p, ctas, stream);
-  }
 }
 
 PayloadView payload_view(const PayloadRows& p) {
@@ -696,65 +766,31 @@ PayloadView payload_view(const PayloadRows& p) {
       aligned};
 }
 
-template <typename OutT>
-cudaError_t launch_decode_typed(const PayloadRows& p, float divisor, OutT* out,
-                                cudaStream_t stream) {
-  const int64_t ctas = (p.numel + (int64_t)kThreads * kVec - 1) / ((int64_t)kThreads * kVec);
-  if (!grid_fits(ctas)) return cudaErrorInvalidValue;
-  const PayloadView pv = payload_view(p);
-  const bool out_vec = aligned16(out);
-  switch (p.bits) {
-    case 1:
-      decode_kernel<1, OutT>
-          <<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, divisor, out, out_vec);
-      break;
-    case 2:
-      decode_kernel<2, OutT>
-          <<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, divisor, out, out_vec);
-      break;
-    case 4:
-      decode_kernel<4, OutT>
-          <<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, divisor, out, out_vec);
-      break;
-    default:
-      decode_kernel<8, OutT>
-          <<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, divisor, out, out_vec);
-      break;
-  }
-  return cudaGetLastError();
-}
-
-template <int kBits>
-cudaError_t launch_requantize_bits(const PayloadRows& rows, float* residual, float divisor,
-                                   const EncodeParams& p, int64_t ctas, cudaStream_t stream) {
-  const SumSource<kBits> src{payload_view(rows), residual, rows.numel, divisor,
-                             aligned16(residual)};
-  return launch_encode_bits<SumSource<kBits>, kBits>(src, p, ctas, stream);
-}
-
 }  // namespace
 
-cudaError_t launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
+int64_t encode_workspace_bytes(int64_t numel, int bits, int64_t block_size, bool stochastic) {
+  if (!valid_bits_block(bits, block_size) || numel <= 0) return 0;
+  EncodeParams p;
+  const int64_t ctas = encode_params(numel, bits, block_size, stochastic, 0, 0, nullptr, false, p);
+  return (int64_t)sizeof(float) * split_workspace_floats(p, bits, ctas);
+}
+
+cudaError_t launch_quantize(const QuantizeArgs& a, void* workspace, cudaStream_t stream) {
   if (!valid_bits_block(a.bits, a.block_size) || a.numel < 0) return cudaErrorInvalidValue;
   if (a.numel == 0) return cudaSuccess;
-  EncodeParams p{};
-  const int64_t ctas = encode_geometry(a.numel, a.bits, a.block_size, p);
+  EncodeParams p;
+  const int64_t ctas = encode_params(a.numel, a.bits, a.block_size, a.stochastic, a.rng_key,
+                                     a.rng_offset, a.out, a.residual != nullptr, p);
   if (!grid_fits(ctas)) return cudaErrorInvalidValue;
-  p.stochastic = a.stochastic;
-  p.rng_key = a.rng_key;
-  p.rng_offset = a.rng_offset;
-  p.out = a.out;
-  p.out_aligned = (reinterpret_cast<uintptr_t>(a.out) & 3u) == 0;
-  p.residual = a.residual != nullptr;
-  switch (a.x_type) {
-    case FloatType::kFloat32:
-      return launch_quantize_typed<float>(a, p, ctas, stream);
-    case FloatType::kFloat16:
-      return launch_quantize_typed<__half>(a, p, ctas, stream);
-    case FloatType::kBFloat16:
-      return launch_quantize_typed<__nv_bfloat16>(a, p, ctas, stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_float_type(a.x_type, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* x = static_cast<const T*>(a.x);
+    const QuantizeSource<T> src{x, a.residual, a.numel, aligned16(x), aligned16(a.residual)};
+    return with_bits(a.bits, [&](auto b) {
+      return launch_encode_bits<QuantizeSource<T>, decltype(b)::value>(src, p, ctas, workspace,
+                                                                       stream);
+    });
+  });
 }
 
 cudaError_t launch_dequantize_sum(const PayloadRows& p, int64_t divisor, void* out,
@@ -763,47 +799,40 @@ cudaError_t launch_dequantize_sum(const PayloadRows& p, int64_t divisor, void* o
     return cudaErrorInvalidValue;
   }
   if (p.numel == 0) return cudaSuccess;
+  const int64_t ctas = (p.numel + (int64_t)kThreads * kVec - 1) / ((int64_t)kThreads * kVec);
+  if (!grid_fits(ctas)) return cudaErrorInvalidValue;
+  const PayloadView pv = payload_view(p);
   const float div = (float)divisor;
-  switch (out_type) {
-    case FloatType::kFloat32:
-      return launch_decode_typed(p, div, static_cast<float*>(out), stream);
-    case FloatType::kFloat16:
-      return launch_decode_typed(p, div, static_cast<__half*>(out), stream);
-    case FloatType::kBFloat16:
-      return launch_decode_typed(p, div, static_cast<__nv_bfloat16*>(out), stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_float_type(out_type, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T* o = static_cast<T*>(out);
+    return with_bits(p.bits, [&](auto b) {
+      decode_kernel<decltype(b)::value, T>
+          <<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, div, o, aligned16(o));
+      return cudaGetLastError();
+    });
+  });
 }
 
 cudaError_t launch_dequantize_sum_requantize(const PayloadRows& rows, float* residual,
                                              int64_t divisor, bool stochastic, uint64_t rng_key,
-                                             int64_t rng_offset, uint8_t* out,
+                                             int64_t rng_offset, uint8_t* out, void* workspace,
                                              cudaStream_t stream) {
   if (!valid_bits_block(rows.bits, rows.block_size) || rows.numel < 0 || rows.rows < 0 ||
       divisor < 1) {
     return cudaErrorInvalidValue;
   }
   if (rows.numel == 0) return cudaSuccess;
-  EncodeParams p{};
-  const int64_t ctas = encode_geometry(rows.numel, rows.bits, rows.block_size, p);
+  EncodeParams p;
+  const int64_t ctas = encode_params(rows.numel, rows.bits, rows.block_size, stochastic, rng_key,
+                                     rng_offset, out, residual != nullptr, p);
   if (!grid_fits(ctas)) return cudaErrorInvalidValue;
-  p.stochastic = stochastic;
-  p.rng_key = rng_key;
-  p.rng_offset = rng_offset;
-  p.out = out;
-  p.out_aligned = (reinterpret_cast<uintptr_t>(out) & 3u) == 0;
-  p.residual = residual != nullptr;
-  const float div = (float)divisor;
-  switch (rows.bits) {
-    case 1:
-      return launch_requantize_bits<1>(rows, residual, div, p, ctas, stream);
-    case 2:
-      return launch_requantize_bits<2>(rows, residual, div, p, ctas, stream);
-    case 4:
-      return launch_requantize_bits<4>(rows, residual, div, p, ctas, stream);
-    default:
-      return launch_requantize_bits<8>(rows, residual, div, p, ctas, stream);
-  }
+  return with_bits(rows.bits, [&](auto b) {
+    constexpr int kBits = decltype(b)::value;
+    const SumSource<kBits> src{payload_view(rows), residual, rows.numel, (float)divisor,
+                               aligned16(residual)};
+    return launch_encode_bits<SumSource<kBits>, kBits>(src, p, ctas, workspace, stream);
+  });
 }
 
 }  // namespace cuda

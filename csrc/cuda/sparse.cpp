@@ -1,17 +1,14 @@
-// CUDA implementations of the sparsification ops (topk_compress, sparse_accumulate,
-// randk_compress, randk_decompress): the torch side only. Checks are the CPU ops'
+// CUDA implementations of the sparsification ops (topk_compress_into, sparse_accumulate_into,
+// randk_compress_into, randk_decompress_into): the torch side only. Checks are the CPU ops'
 // (csrc/checks.h); workspaces come from torch's caching allocator; the kernels
 // (sparse_kernels.cu) run on the current stream of the input's device.
 //
-// Two ops synchronize with the host once per call, as their CPU twins' semantics need:
-// topk_compress reads how many entries passed the threshold (to size the candidate buffers
-// and pick the path), and sparse_accumulate reads the index validation result so a bad
-// payload raises, like on CPU, before anything is scattered.
+// Only sparse_accumulate with check=True synchronizes with the host: it reads the index
+// validation verdict so a bad payload raises, like on CPU, before anything is scattered.
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -21,20 +18,11 @@
 
 #include "../checks.h"
 #include "../numerics.h"
+#include "binding.h"
 #include "launchers.h"
 
 namespace ddpcomm {
 namespace {
-
-cuda::FloatType float_type(at::ScalarType t) {
-  if (t == at::kHalf) return cuda::FloatType::kFloat16;
-  if (t == at::kBFloat16) return cuda::FloatType::kBFloat16;
-  return cuda::FloatType::kFloat32;
-}
-
-void check_on_cuda(const at::Tensor& t, const char* arg, const char* op) {
-  TORCH_CHECK(t.is_cuda(), op, ": ", arg, " must be a CUDA tensor, got one on ", t.device());
-}
 
 at::Tensor bytes(int64_t n, const at::Tensor& like) {
   return at::empty({n}, like.options().dtype(at::kByte));
@@ -42,190 +30,110 @@ at::Tensor bytes(int64_t n, const at::Tensor& like) {
 
 // The payload's int32 indices and values are stored as words, so the kernels write into a
 // 4-byte aligned buffer: `out` itself, or (for a byte slice at an odd offset) a fresh one
-// copied into it afterwards on the same stream. Same bytes either way.
+// copied into it afterwards on the same stream. Same bytes either way. Nothing is read back:
+// which path the selection takes is decided on the device (sparse_kernels.cu).
 void topk_compress_into_cuda(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                              const at::Tensor& packed, int64_t k, bool approximate, int64_t seed,
                              int64_t step, std::optional<at::ScalarType> value_dtype) {
-  const char* op = "topk_compress";
-  check_sparse_input(x, residual, k, op);
-  const at::ScalarType vtype = value_dtype.value_or(at::kFloat);
-  check_value_dtype(vtype, op);
-  check_topk_out(packed, k, vtype, op);
-  TORCH_CHECK(packed.device() == x.device(), op, ": out is on ", packed.device(), " but x is on ",
-              x.device());
-  check_on_cuda(x, "x", op);
+  const at::ScalarType vtype = check_topk_compress(x, residual, packed, k, value_dtype);
+  check_on_cuda(x, "x", "topk_compress");
   const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t n = x.numel();
   const at::Tensor xc = x.contiguous();
   const bool aligned = reinterpret_cast<uintptr_t>(packed.data_ptr()) % 4 == 0;
   at::Tensor dst = aligned ? packed : bytes(packed.numel(), x);
   const int64_t samples = topk_sample_count(n);
-  cuda::TopkArgs a{xc.data_ptr(),
-                   float_type(x.scalar_type()),
-                   residual ? residual->data_ptr<float>() : nullptr,
-                   n,
-                   k,
-                   rng_key((uint64_t)seed, (uint64_t)step),
-                   samples,
-                   approximate ? topk_approx_rank(k, n, samples) : topk_exact_rank(k, n, samples),
-                   float_type(vtype),
-                   dst.data_ptr<uint8_t>()};
-  at::Tensor ws = bytes(cuda::topk_workspace_bytes(n), x);
-  C10_CUDA_CHECK(cuda::launch_topk_scan(a, ws.data_ptr(), stream));
-  int64_t candidates = 0;
-  C10_CUDA_CHECK(cuda::topk_read_candidates(ws.data_ptr(), &candidates, stream));
-  if (candidates < k && approximate) {
-    C10_CUDA_CHECK(cuda::launch_topk_padded(a, ws.data_ptr(), candidates, stream));
-  } else {
-    if (candidates < k) {
-      // The sample misjudged: exact mode makes every entry a candidate, so its result never
-      // depends on the sample (the CPU op takes a histogram pass instead; same entries).
-      C10_CUDA_CHECK(cuda::launch_topk_all_candidates(a, ws.data_ptr(), stream));
-      candidates = n;
-    }
-    at::Tensor cand_bits = at::empty({candidates}, x.options().dtype(at::kInt));
-    at::Tensor cand_index = at::empty({candidates}, x.options().dtype(at::kInt));
-    at::Tensor select_ws = at::empty({cuda::topk_select_workspace_bytes(candidates) / 8 + 1},
-                                     x.options().dtype(at::kLong));
-    C10_CUDA_CHECK(cuda::launch_topk_select(
-        a, ws.data_ptr(), candidates, reinterpret_cast<uint32_t*>(cand_bits.data_ptr<int32_t>()),
-        cand_index.data_ptr<int32_t>(), select_ws.data_ptr(), stream));
-  }
+  const int64_t rank =
+      approximate ? topk_approx_rank(k, n, samples) : topk_exact_rank(k, n, samples);
+  const cuda::TopkArgs a{xc.data_ptr(),
+                         float_type(x.scalar_type()),
+                         residual ? residual->data_ptr<float>() : nullptr,
+                         n,
+                         k,
+                         approximate,
+                         rng_key((uint64_t)seed, (uint64_t)step),
+                         samples,
+                         rank,
+                         cuda::topk_candidate_capacity(n, samples, rank),
+                         float_type(vtype),
+                         dst.data_ptr<uint8_t>()};
+  at::Tensor ws = bytes(cuda::topk_workspace_bytes(n, a.capacity), x);
+  C10_CUDA_CHECK(cuda::launch_topk_compress(a, ws.data_ptr(), current_stream()));
   if (!aligned) packed.copy_(dst);
 }
 
-at::Tensor topk_compress_cuda(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                              int64_t k, bool approximate, int64_t seed, int64_t step,
-                              std::optional<at::ScalarType> value_dtype) {
-  check_value_dtype(value_dtype.value_or(at::kFloat), "topk_compress");
-  check_sparse_numel_k(x.numel(), k, "topk_compress");
-  at::Tensor packed =
-      bytes(topk_payload_bytes(k, at::elementSize(value_dtype.value_or(at::kFloat))), x);
-  topk_compress_into_cuda(x, residual, packed, k, approximate, seed, step, value_dtype);
-  return packed;
-}
-
-// The CPU op's checks (accumulate_rows), then: validate every row's indices on the device,
-// raise like the CPU op for the first bad row, else sum the rows in rank order into `out`.
-void accumulate_rows(const at::Tensor& payloads, const at::Tensor& out, int64_t k, int64_t divisor,
-                     at::ScalarType value_dtype, const char* op) {
-  const int64_t numel = out.numel();
-  check_sparse_payloads(payloads, numel, k, value_dtype, op);
-  check_divisor_dtype(divisor, out.scalar_type(), op);
-  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
-  TORCH_CHECK(out.device() == payloads.device(), op, ": out is on ", out.device(),
-              " but payloads are on ", payloads.device());
+// With `check`, validates every row's indices on the device and raises like the CPU op for
+// the first bad row before anything is scattered: reading the verdict back is a host
+// synchronization. Without it (the collectives' own payloads, made by topk_compress) nothing
+// is read back. Then sums the rows in rank order into `out`. `scratch` (the CPU op's fp32
+// accumulator for a 16-bit out) is checked, not used: the kernel sums in shared memory.
+void sparse_accumulate_into_cuda(const at::Tensor& payloads, const at::Tensor& out,
+                                 const std::optional<at::Tensor>& scratch, int64_t k,
+                                 int64_t divisor, at::ScalarType value_dtype, bool check) {
+  const char* op = "sparse_accumulate";
+  check_sparse_accumulate(payloads, out, scratch, k, divisor, value_dtype);
   check_on_cuda(payloads, "payloads", op);
+  const int64_t numel = out.numel();
   const c10::cuda::CUDAGuard guard(payloads.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream();
   const at::Tensor pc = payloads.contiguous();
   const int64_t rows = pc.size(0);
   const cuda::SparsePayloads p{pc.data_ptr<uint8_t>(), rows, pc.size(1), k, numel,
                                float_type(value_dtype)};
   const int64_t tiles = cuda::sparse_tiles(numel);
-  at::Tensor bad = at::full({std::max<int64_t>(rows, 1)}, INT_MAX, pc.options().dtype(at::kInt));
   at::Tensor start = at::empty({rows * (tiles + 1)}, pc.options().dtype(at::kInt));
-  C10_CUDA_CHECK(
-      cuda::launch_sparse_index(p, bad.data_ptr<int32_t>(), start.data_ptr<int32_t>(), stream));
-  const at::Tensor bad_host = bad.cpu();  // synchronizes: a bad row raises before scattering
-  const int32_t* bh = bad_host.data_ptr<int32_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    if (bh[r] == INT_MAX) continue;
-    const int64_t j = bh[r];
-    const int32_t idx = pc[r].narrow(0, 4 * j, 4).cpu().view(at::kInt).item<int32_t>();
-    TORCH_CHECK(false, "sparse_accumulate: payloads row ", r, " holds index ", idx, " at position ",
-                j, ": indices must be strictly increasing and in [0, numel=", numel, ")");
+  at::Tensor bad;
+  if (check) bad = at::full({std::max<int64_t>(rows, 1)}, INT_MAX, pc.options().dtype(at::kInt));
+  C10_CUDA_CHECK(cuda::launch_sparse_index(p, check ? bad.data_ptr<int32_t>() : nullptr,
+                                           start.data_ptr<int32_t>(), stream));
+  if (check) {
+    const at::Tensor bad_host = bad.cpu();  // synchronizes: a bad row raises before scattering
+    const int32_t* bh = bad_host.data_ptr<int32_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      if (bh[r] == INT_MAX) continue;
+      const int64_t j = bh[r];
+      const int32_t idx = pc[r].narrow(0, 4 * j, 4).cpu().view(at::kInt).item<int32_t>();
+      TORCH_CHECK(false, op, ": payloads row ", r, " holds index ", idx, " at position ", j,
+                  ": indices must be strictly increasing and in [0, numel=", numel, ")");
+    }
   }
   C10_CUDA_CHECK(cuda::launch_sparse_accumulate(p, start.data_ptr<int32_t>(), divisor,
                                                 out.data_ptr(), float_type(out.scalar_type()),
                                                 stream));
 }
 
-// `scratch` is the CPU op's fp32 accumulator for a 16-bit out. The CUDA kernel sums each
-// output tile in shared memory and never needs it, but the argument contract is the CPU
-// op's, checked the same way, so a call that works on one device works on the other.
-void sparse_accumulate_into_cuda(const at::Tensor& payloads, const at::Tensor& out,
-                                 const std::optional<at::Tensor>& scratch, int64_t k,
-                                 int64_t divisor, at::ScalarType value_dtype) {
-  const char* op = "sparse_accumulate_into";
-  if (out.scalar_type() != at::kFloat) {
-    TORCH_CHECK(scratch.has_value(), op,
-                ": a float16/bfloat16 out needs a float32 scratch of out.numel() elements, "
-                "got none");
-    TORCH_CHECK(scratch->scalar_type() == at::kFloat && scratch->is_contiguous() &&
-                    scratch->numel() == out.numel(),
-                op, ": scratch must be a contiguous float32 tensor of ", out.numel(),
-                " elements, got ", scratch->scalar_type(), " of ", scratch->numel());
-  }
-  accumulate_rows(payloads, out, k, divisor, value_dtype, op);
-}
-
-at::Tensor sparse_accumulate_cuda(const at::Tensor& payloads, int64_t numel, int64_t k,
-                                  int64_t divisor, at::ScalarType value_dtype,
-                                  at::ScalarType dtype) {
-  const char* op = "sparse_accumulate";
-  check_sparse_numel_k(numel, k, op);
-  check_divisor_dtype(divisor, dtype, op);
-  at::Tensor out = at::empty({numel}, payloads.options().dtype(dtype));
-  accumulate_rows(payloads, out, k, divisor, value_dtype, op);
-  return out;
-}
-
-at::Tensor randk_compress_cuda(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                               int64_t k, int64_t seed, int64_t step, int64_t bucket) {
-  const char* op = "randk_compress";
-  check_sparse_input(x, residual, k, op);
-  check_on_cuda(x, "x", op);
+void randk_compress_into_cuda(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                              const at::Tensor& values, int64_t seed, int64_t step,
+                              int64_t bucket) {
+  check_randk_compress(x, residual, values);
+  check_on_cuda(x, "x", "randk_compress");
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor xc = x.contiguous();
-  at::Tensor values = at::empty({k}, x.options().dtype(at::kFloat));
   at::Tensor flag = at::empty({1}, x.options().dtype(at::kInt));
   C10_CUDA_CHECK(cuda::launch_randk_compress(
       xc.data_ptr(), float_type(x.scalar_type()), residual ? residual->data_ptr<float>() : nullptr,
-      x.numel(), k, randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket),
-      values.data_ptr<float>(), flag.data_ptr<int32_t>(), c10::cuda::getCurrentCUDAStream()));
-  return values;
+      x.numel(), values.numel(), randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket),
+      values.data_ptr<float>(), flag.data_ptr<int32_t>(), current_stream()));
 }
 
 void randk_decompress_into_cuda(const at::Tensor& values, const at::Tensor& out, int64_t seed,
                                 int64_t step, int64_t bucket, int64_t divisor) {
-  const char* op = "randk_decompress";
-  check_float_tensor(values, "values", op);
-  TORCH_CHECK(values.dim() == 1, op, ": values must be 1-D, got ", values.dim(), " dimensions");
-  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
+  check_randk_decompress(values, out, divisor);
+  check_on_cuda(values, "values", "randk_decompress");
   const int64_t k = values.numel(), numel = out.numel();
-  check_sparse_numel_k(numel, k, op);
-  check_divisor_dtype(divisor, out.scalar_type(), op);
-  TORCH_CHECK(out.device() == values.device(), op, ": out is on ", out.device(),
-              " but values are on ", values.device());
-  check_on_cuda(values, "values", op);
   const c10::cuda::CUDAGuard guard(values.device());
   const at::Tensor vf = values.to(at::kFloat).contiguous();
   C10_CUDA_CHECK(cuda::launch_randk_decompress(
       vf.data_ptr<float>(), numel, k, randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket),
-      divisor, out.data_ptr(), float_type(out.scalar_type()), c10::cuda::getCurrentCUDAStream()));
-}
-
-at::Tensor randk_decompress_cuda(const at::Tensor& values, int64_t numel, int64_t seed,
-                                 int64_t step, int64_t bucket, int64_t divisor,
-                                 at::ScalarType dtype) {
-  check_divisor_dtype(divisor, dtype, "randk_decompress");
-  check_sparse_numel_k(numel, values.numel(), "randk_decompress");
-  at::Tensor out = at::empty({numel}, values.options().dtype(dtype));
-  randk_decompress_into_cuda(values, out, seed, step, bucket, divisor);
-  return out;
+      divisor, out.data_ptr(), float_type(out.scalar_type()), current_stream()));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ddpcomm, CUDA, m) {
-  m.impl("topk_compress", &topk_compress_cuda);
-  m.impl("sparse_accumulate", &sparse_accumulate_cuda);
-  m.impl("randk_compress", &randk_compress_cuda);
-  m.impl("randk_decompress", &randk_decompress_cuda);
   m.impl("topk_compress_into", &topk_compress_into_cuda);
   m.impl("sparse_accumulate_into", &sparse_accumulate_into_cuda);
+  m.impl("randk_compress_into", &randk_compress_into_cuda);
   m.impl("randk_decompress_into", &randk_decompress_into_cuda);
 }
 

@@ -11,31 +11,33 @@
 // per-tile counts (one CTA). Payloads are therefore written in ascending index order without
 // sorting.
 //
-// topk_compress, as on CPU: (1) one CTA gathers the threshold sample (numerics.h) and finds its
-// rank-th largest key by radix select; (2) a fused pass adds the residual, stores e back and counts
-// the entries at or above the threshold per tile; (3) the host reads the candidate total (the only
-// synchronization). If at least k passed, (4) the candidates are compacted in index order and (5) a
-// radix select over their keys (11 + 10 + 10 bits, CTA histograms merged with atomics, one tiny
-// kernel per digit) finds the k-th largest key T and how many of the entries equal to T (the
-// lowest-index ones) still fit, then (6) a count pass and a write pass emit the winners in index
-// order. If fewer than k passed, approximate mode writes the candidates plus the lowest-index
-// non-candidates in one ordered pass; exact mode lowers the threshold to 0 (every entry a
-// candidate) and goes on with (4), so its result never depends on the sample.
+// topk_compress, as on CPU, and without a host synchronization: (1) one CTA gathers the threshold
+// sample (numerics.h) and finds its rank-th largest key by radix select; (2) a fused pass adds the
+// residual, stores e back and counts the entries at or above the threshold per tile; (3) one
+// thread reads the candidate total and picks the path on the device. Compact (at least k
+// candidates, and they fit a buffer the host sized at ~2x the sample's expectation): the
+// candidates are compacted in index order and the selection runs over them. Dense (exact mode
+// with fewer than k candidates, or more than fit): the selection runs over every entry, so exact
+// mode never depends on the sample. Either way (4) a radix select over the keys (11 + 10 + 10
+// bits, CTA histograms merged with atomics, one tiny kernel per digit) finds the k-th largest key
+// T and how many of the entries equal to T (the lowest-index ones) still fit, then (5) a count
+// pass and a write pass emit the winners in index order. Padded (approximate mode with fewer than
+// k candidates): one ordered pass writes the candidates plus the lowest-index non-candidates.
+// Every kernel of every path is launched; those of the paths not taken exit at once.
 //
 // sparse_accumulate: one CTA per 4096-element output tile keeps the tile's fp32 sums in shared
 // memory and applies the rows in rank order (a barrier between rows); each row's entries inside the
 // tile come from a boundary table built in one coalesced pass over the (sorted) indices, so the
-// dense output is written exactly once. Indices are validated first, like the CPU op does, and the
-// binding raises before anything is scattered.
+// dense output is written exactly once. With check=True the indices are validated first, like the
+// CPU op does, and the binding raises before anything is scattered.
 //
 // randk: an elementwise pass (EF add, non-finite flag) and one thread per stratum.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include "../numerics.h"
+#include "elements.cuh"
 #include "launchers.h"
 
 namespace ddpcomm {
@@ -47,44 +49,8 @@ constexpr int kRounds = 16;
 constexpr int64_t kTile = (int64_t)kThreads * kRounds;  // 4096 elements
 constexpr int kWarps = kThreads / 32;
 
-__device__ __forceinline__ float canonical_nan() { return __int_as_float(0x7fc00000); }
-
-// ---------------------------------------------------------------------------------------
-// Element access (explicit intrinsics: torch builds with __CUDA_NO_HALF_CONVERSIONS__).
-// ---------------------------------------------------------------------------------------
-
-__device__ __forceinline__ float load_elem(const void* p, FloatType t, int64_t i) {
-  switch (t) {
-    case FloatType::kFloat16:
-      return __half2float(static_cast<const __half*>(p)[i]);
-    case FloatType::kBFloat16:
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    default:
-      return static_cast<const float*>(p)[i];
-  }
-}
-
-// Stores v cast to t (round to nearest even, as torch) at element i; returns the stored value
-// widened back to float.
-__device__ __forceinline__ float store_elem(void* p, FloatType t, int64_t i, float v) {
-  switch (t) {
-    case FloatType::kFloat16: {
-      const __half h = __float2half_rn(v);
-      static_cast<__half*>(p)[i] = h;
-      return __half2float(h);
-    }
-    case FloatType::kBFloat16: {
-      const __nv_bfloat16 h = __float2bfloat16_rn(v);
-      static_cast<__nv_bfloat16*>(p)[i] = h;
-      return __bfloat162float(h);
-    }
-    default:
-      static_cast<float*>(p)[i] = v;
-      return v;
-  }
-}
-
-int elem_bytes(FloatType t) { return t == FloatType::kFloat32 ? 4 : 2; }
+// Tiles of kTile over [0, n).
+__host__ __device__ __forceinline__ int64_t tiles_of(int64_t n) { return (n + kTile - 1) / kTile; }
 
 // Little-endian reads that tolerate any alignment (payload rows of fp16 values with odd k start 2
 // bytes off a word boundary).
@@ -97,8 +63,7 @@ __device__ __forceinline__ int32_t load_i32(const uint8_t* p, bool aligned) {
 __device__ __forceinline__ float load_value(const uint8_t* p, FloatType t, bool aligned) {
   if (t == FloatType::kFloat32) return __int_as_float(load_i32(p, aligned));
   const uint32_t h = (uint32_t)p[0] | ((uint32_t)p[1] << 8);
-  if (t == FloatType::kFloat16) return __half2float(__ushort_as_half((unsigned short)h));
-  return __uint_as_float(h << 16);
+  return t == FloatType::kFloat16 ? half_bits_to_float(h) : bf16_bits_to_float(h);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -137,10 +102,13 @@ __device__ __forceinline__ int64_t block_sum(int64_t v, int64_t* red) {
   return t;
 }
 
-// Exclusive scan of counts[0, n) into offsets[0, n) and *total, by one CTA.
+// Exclusive scan of counts[0, n) into offsets[0, n) and *total, by one CTA. With
+// `tiles_over`, n is tiles_of(*tiles_over) instead: a length known only on the device.
 __global__ void __launch_bounds__(1024)
-    exclusive_scan_kernel(const int64_t* counts, int64_t n, int64_t* offsets, int64_t* total) {
+    exclusive_scan_kernel(const int64_t* counts, int64_t n, const int64_t* tiles_over,
+                          int64_t* offsets, int64_t* total) {
   __shared__ int64_t sums[1024];
+  if (tiles_over != nullptr) n = tiles_of(*tiles_over);
   const int t = threadIdx.x;
   const int64_t per = (n + 1023) / 1024, lo = t * per, hi = lo + per < n ? lo + per : n;
   int64_t s = 0;
@@ -166,28 +134,36 @@ __global__ void __launch_bounds__(1024)
 // topk_compress
 // ---------------------------------------------------------------------------------------
 
-// e at element i: x (+ residual) before the fused pass; after it, the residual holds e.
+// e at element i, canonical (numerics.h: every NaN one bit pattern, so keys and values match
+// the CPU's): x (+ residual) before the fused pass; after it, the residual holds e.
 struct EView {
   const void* x;
   FloatType x_type;
   const float* residual;
   __device__ __forceinline__ float at(int64_t i) const {
     const float v = load_elem(x, x_type, i);
-    return residual != nullptr ? v + residual[i] : v;
+    return canonical(residual != nullptr ? v + residual[i] : v);
   }
   // After the fused pass (residual already holds e).
   __device__ __forceinline__ float after(int64_t i) const {
-    return residual != nullptr ? residual[i] : load_elem(x, x_type, i);
+    return residual != nullptr ? residual[i] : canonical(load_elem(x, x_type, i));
   }
 };
+
+// What the selection runs over, decided on the device by topk_decide_kernel: the compacted
+// candidates, every entry (the candidates were too many for their buffer, or exact mode got
+// too few), or nothing (approximate mode with too few candidates: the padded pass instead).
+enum TopkMode : int { kCompact = 0, kDense = 1, kPadded = 2 };
 
 // Device-side state of one top-k selection, in the workspace.
 struct TopkState {
   uint32_t threshold;  // candidates have magnitude_key >= threshold
-  uint32_t prefix;     // radix select: key bits found so far
-  int64_t need;        // radix select: rank still to find (1-based), then ties to take
-  int64_t candidates;  // total candidates (scan result)
-  int64_t scratch;
+  uint32_t prefix;     // radix select: key bits found so far, then the k-th largest key T
+  int64_t need;        // radix select: rank still to find (1-based), then ties of T to take
+  int64_t candidates;  // entries at or above the threshold (the count pass)
+  int64_t count;       // entries the selection runs over (candidates or n; 0 when padded)
+  int mode;            // TopkMode
+  int64_t scratch;     // unused scan totals land here
 };
 
 // Radix select by one CTA over `count` keys in global memory: the rank-th largest (0-based) of
@@ -264,46 +240,85 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) counts[blockIdx.x] = total;
 }
 
-// Ordered compaction of the candidates: bits of e and index, in index order.
+// Picks the path from the candidate count, on the device, so the host never waits for it:
+// compacted candidates when they are at least k and fit their buffer, every entry when exact
+// mode got fewer than k (its result never depends on the sample) or they do not fit, and
+// the padded pass when approximate mode got fewer than k. Starts the radix select. One thread.
+__global__ void topk_decide_kernel(TopkState* st, int64_t n, int64_t k, bool approximate,
+                                   int64_t capacity) {
+  const int64_t c = st->candidates;
+  if (c >= k && c <= capacity) {
+    st->mode = kCompact;
+    st->count = c;
+  } else if (c < k && approximate) {
+    st->mode = kPadded;
+    st->count = 0;
+  } else {
+    st->mode = kDense;
+    st->count = n;
+  }
+  st->prefix = 0;
+  st->need = k;
+}
+
+// Ordered compaction of the candidates (compact mode only): bits of e and index, in index
+// order. CTAs stride over the tiles of [0, n).
 __global__ void __launch_bounds__(kThreads)
     candidate_compact_kernel(EView ev, int64_t n, const TopkState* st, const int64_t* offsets,
                              uint32_t* cand_bits, int32_t* cand_index) {
   __shared__ int warp_sums[kWarps];
+  if (st->mode != kCompact) return;
   const uint32_t thr = st->threshold;
-  const int64_t base = (int64_t)blockIdx.x * kTile;
-  int64_t out = offsets[blockIdx.x];
-  for (int q = 0; q < kRounds; ++q) {
-    const int64_t i = base + q * kThreads + threadIdx.x;
-    uint32_t bits = 0;
-    bool keep = false;
-    if (i < n) {
-      bits = float_bits(ev.after(i));
-      keep = (bits & 0x7fffffffu) >= thr;
+  for (int64_t tile = blockIdx.x; tile < tiles_of(n); tile += gridDim.x) {
+    const int64_t base = tile * kTile;
+    int64_t out = offsets[tile];
+    for (int q = 0; q < kRounds; ++q) {
+      const int64_t i = base + q * kThreads + threadIdx.x;
+      uint32_t bits = 0;
+      bool keep = false;
+      if (i < n) {
+        bits = float_bits(ev.after(i));
+        keep = (bits & 0x7fffffffu) >= thr;
+      }
+      int total;
+      const int pos = block_prefix(keep, warp_sums, total);
+      if (keep) {
+        cand_bits[out + pos] = bits;
+        cand_index[out + pos] = (int32_t)i;
+      }
+      out += total;
     }
-    int total;
-    const int pos = block_prefix(keep, warp_sums, total);
-    if (keep) {
-      cand_bits[out + pos] = bits;
-      cand_index[out + pos] = (int32_t)i;
-    }
-    out += total;
   }
 }
 
-// One digit of the radix select over the candidates' keys: histogram of the keys whose higher
+// Entry j of what the selection runs over: candidate j (compact mode) or element j (dense).
+struct SelectSource {
+  const uint32_t* cand_bits;
+  const int32_t* cand_index;
+  EView ev;
+  bool dense;
+  __device__ __forceinline__ uint32_t bits(int64_t j) const {
+    return dense ? float_bits(ev.after(j)) : cand_bits[j];
+  }
+  __device__ __forceinline__ int64_t index(int64_t j) const { return dense ? j : cand_index[j]; }
+};
+
+// One digit of the radix select over the source's keys: histogram of the keys whose higher
 // digits equal the prefix found so far (all keys for the first digit).
 __global__ void __launch_bounds__(kThreads)
-    radix_hist_kernel(const uint32_t* cand_bits, const TopkState* st, int shift, int width,
-                      bool first, unsigned* hist) {
+    radix_hist_kernel(SelectSource src, const TopkState* st, int shift, int width, bool first,
+                      unsigned* hist) {
   __shared__ unsigned h[2048];
+  if (st->mode == kPadded) return;
+  src.dense = st->mode == kDense;
   for (int b = threadIdx.x; b < (1 << width); b += kThreads) h[b] = 0;
   __syncthreads();
-  const int64_t count = st->candidates;
+  const int64_t count = st->count;
   const uint32_t prefix = st->prefix;
   const uint32_t mask = (1u << width) - 1u;
   for (int64_t j = (int64_t)blockIdx.x * kThreads + threadIdx.x; j < count;
        j += (int64_t)gridDim.x * kThreads) {
-    const uint32_t k = cand_bits[j] & 0x7fffffffu;
+    const uint32_t k = src.bits(j) & 0x7fffffffu;
     if (first || (k >> (shift + width)) == prefix) atomicAdd(&h[(k >> shift) & mask], 1u);
   }
   __syncthreads();
@@ -315,6 +330,7 @@ __global__ void __launch_bounds__(kThreads)
 // Picks the digit holding the need-th largest key, from the top digit down; clears the histogram
 // for the next digit. One thread.
 __global__ void radix_pick_kernel(unsigned* hist, int width, TopkState* st) {
+  if (st->mode == kPadded) return;
   int64_t need = st->need;
   int digit = (1 << width) - 1;
   for (; digit > 0; --digit) {
@@ -326,26 +342,29 @@ __global__ void radix_pick_kernel(unsigned* hist, int width, TopkState* st) {
   for (int b = 0; b < (1 << width); ++b) hist[b] = 0;
 }
 
-// Per candidate tile: entries with key > T, and ties (key == T).
+// Per tile of the source: entries with key > T, and ties (key == T).
 __global__ void __launch_bounds__(kThreads)
-    winner_count_kernel(const uint32_t* cand_bits, const TopkState* st, int64_t* above,
-                        int64_t* ties) {
+    winner_count_kernel(SelectSource src, const TopkState* st, int64_t* above, int64_t* ties) {
   __shared__ int64_t red[kWarps];
+  src.dense = st->mode == kDense;
   const uint32_t T = st->prefix;
-  const int64_t count = st->candidates, base = (int64_t)blockIdx.x * kTile;
-  int64_t a = 0, q = 0;
-  for (int r = 0; r < kRounds; ++r) {
-    const int64_t j = base + r * kThreads + threadIdx.x;
-    if (j >= count) break;
-    const uint32_t k = cand_bits[j] & 0x7fffffffu;
-    a += k > T ? 1 : 0;
-    q += k == T ? 1 : 0;
-  }
-  const int64_t sa = block_sum(a, red);
-  const int64_t sq = block_sum(q, red);
-  if (threadIdx.x == 0) {
-    above[blockIdx.x] = sa;
-    ties[blockIdx.x] = sq;
+  const int64_t count = st->count;
+  for (int64_t tile = blockIdx.x; tile < tiles_of(count); tile += gridDim.x) {
+    const int64_t base = tile * kTile;
+    int64_t a = 0, q = 0;
+    for (int r = 0; r < kRounds; ++r) {
+      const int64_t j = base + r * kThreads + threadIdx.x;
+      if (j >= count) break;
+      const uint32_t k = src.bits(j) & 0x7fffffffu;
+      a += k > T ? 1 : 0;
+      q += k == T ? 1 : 0;
+    }
+    const int64_t sa = block_sum(a, red);
+    const int64_t sq = block_sum(q, red);
+    if (threadIdx.x == 0) {
+      above[tile] = sa;
+      ties[tile] = sq;
+    }
   }
 }
 
@@ -359,72 +378,76 @@ struct PayloadOut {
   __device__ __forceinline__ void put(int64_t o, int64_t i, float e) const {
     index[o] = (int32_t)i;
     const float sent = store_elem(values, value_type, o, e);
-    if (residual != nullptr) residual[i] = e - sent;
+    if (residual != nullptr) residual[i] = canonical(e - sent);
   }
 };
 
 // Ordered write of the winners: key > T, or key == T among the first `need` ties.
 __global__ void __launch_bounds__(kThreads)
-    winner_emit_kernel(const uint32_t* cand_bits, const int32_t* cand_index, const TopkState* st,
-                       const int64_t* above_before, const int64_t* ties_before, PayloadOut out) {
+    winner_emit_kernel(SelectSource src, const TopkState* st, const int64_t* above_before,
+                       const int64_t* ties_before, PayloadOut out) {
   __shared__ int warp_sums[2][kWarps];
+  src.dense = st->mode == kDense;
   const uint32_t T = st->prefix;
-  const int64_t need = st->need, count = st->candidates, base = (int64_t)blockIdx.x * kTile;
-  const int64_t t0 = ties_before[blockIdx.x];
-  // Winners before this tile: every entry above T plus the ties taken so far.
-  int64_t o = above_before[blockIdx.x] + (t0 < need ? t0 : need);
-  int64_t tie_rank = t0;
-  for (int r = 0; r < kRounds; ++r) {
-    const int64_t j = base + r * kThreads + threadIdx.x;
-    uint32_t bits = 0;
-    bool is_tie = false, is_above = false;
-    if (j < count) {
-      bits = cand_bits[j];
-      const uint32_t k = bits & 0x7fffffffu;
-      is_above = k > T;
-      is_tie = k == T;
+  const int64_t need = st->need, count = st->count;
+  for (int64_t tile = blockIdx.x; tile < tiles_of(count); tile += gridDim.x) {
+    const int64_t base = tile * kTile, t0 = ties_before[tile];
+    // Winners before this tile: every entry above T plus the ties taken so far.
+    int64_t o = above_before[tile] + (t0 < need ? t0 : need);
+    int64_t tie_rank = t0;
+    for (int r = 0; r < kRounds; ++r) {
+      const int64_t j = base + r * kThreads + threadIdx.x;
+      uint32_t bits = 0;
+      bool is_tie = false, is_above = false;
+      if (j < count) {
+        bits = src.bits(j);
+        const uint32_t k = bits & 0x7fffffffu;
+        is_above = k > T;
+        is_tie = k == T;
+      }
+      int ties_total;
+      const int my_tie = block_prefix(is_tie, warp_sums[0], ties_total);
+      const bool win = is_above || (is_tie && tie_rank + my_tie < need);
+      int wins_total;
+      const int pos = block_prefix(win, warp_sums[1], wins_total);
+      if (win) out.put(o + pos, src.index(j), bits_float(bits));
+      o += wins_total;
+      tie_rank += ties_total;
     }
-    int ties_total;
-    const int my_tie = block_prefix(is_tie, warp_sums[0], ties_total);
-    const bool win = is_above || (is_tie && tie_rank + my_tie < need);
-    int wins_total;
-    const int pos = block_prefix(win, warp_sums[1], wins_total);
-    if (win) out.put(o + pos, cand_index[j], bits_float(bits));
-    o += wins_total;
-    tie_rank += ties_total;
   }
 }
 
-// Approximate mode with fewer than k candidates: candidates plus the lowest-index non-candidates, k
-// in all, in index order. pads = k - candidates.
+// Approximate mode with fewer than k candidates (padded mode only): the candidates plus the
+// lowest-index non-candidates, k in all, in index order.
 __global__ void __launch_bounds__(kThreads)
-    padded_emit_kernel(EView ev, int64_t n, int64_t pads, const TopkState* st,
+    padded_emit_kernel(EView ev, int64_t n, int64_t k, const TopkState* st,
                        const int64_t* cand_before, PayloadOut out) {
   __shared__ int warp_sums[kWarps];
+  if (st->mode != kPadded) return;
   const uint32_t thr = st->threshold;
-  const int64_t base = (int64_t)blockIdx.x * kTile;
-  int64_t cands = cand_before[blockIdx.x];
-  for (int q = 0; q < kRounds; ++q) {
-    const int64_t i = base + q * kThreads + threadIdx.x;
-    float e = 0.0f;
-    bool cand = false;
-    if (i < n) {
-      e = ev.after(i);
-      cand = magnitude_key(e) >= thr;
+  const int64_t pads = k - st->candidates;
+  for (int64_t tile = blockIdx.x; tile < tiles_of(n); tile += gridDim.x) {
+    const int64_t base = tile * kTile;
+    int64_t cands = cand_before[tile];
+    for (int q = 0; q < kRounds; ++q) {
+      const int64_t i = base + q * kThreads + threadIdx.x;
+      float e = 0.0f;
+      bool cand = false;
+      if (i < n) {
+        e = ev.after(i);
+        cand = magnitude_key(e) >= thr;
+      }
+      int total;
+      const int c_before = (int)block_prefix(cand, warp_sums, total);
+      if (i < n) {
+        const int64_t cb = cands + c_before;  // candidates before i
+        const int64_t nb = i - cb;            // non-candidates before i
+        if (cand || nb < pads) out.put(cb + (nb < pads ? nb : pads), i, e);
+      }
+      cands += total;
     }
-    int total;
-    const int c_before = (int)block_prefix(cand, warp_sums, total);
-    if (i < n) {
-      const int64_t cb = cands + c_before;  // candidates before i
-      const int64_t nb = i - cb;            // non-candidates before i
-      if (cand || nb < pads) out.put(cb + (nb < pads ? nb : pads), i, e);
-    }
-    cands += total;
   }
 }
-
-// Tiles of kTile over [0, n).
-int64_t tiles_of(int64_t n) { return (n + kTile - 1) / kTile; }
 
 // ---------------------------------------------------------------------------------------
 // sparse_accumulate
@@ -456,7 +479,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t r = g / p.k, j = g - r * p.k;
     const int64_t idx = p.index(r, j);
     const int64_t prev = j > 0 ? (int64_t)p.index(r, j - 1) : -1;
-    if (idx <= prev || idx >= p.numel) atomicMin(&bad[r], (int32_t)j);
+    if (bad != nullptr && (idx <= prev || idx >= p.numel)) atomicMin(&bad[r], (int32_t)j);
     // Tiles (tile(prev), tile(idx)] start at entry j; clamped so bad rows stay in bounds.
     const int64_t t_prev = prev < 0 ? -1 : prev / kTile;
     int64_t t_hi = idx < 0 ? -1 : idx / kTile;
@@ -482,10 +505,11 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     const int32_t* row_start = start + r * (tiles + 1);
     const int64_t j0 = row_start[t], j1 = row_start[t + 1];
-    // Indices are distinct within a row: no two threads touch the same sum.
+    // Indices are distinct within a row: no two threads touch the same sum. An unvalidated
+    // row (check=False) may hold indices of another tile here: skipped, never out of bounds.
     for (int64_t j = j0 + threadIdx.x; j < j1; j += kThreads) {
       const int64_t i = p.index(r, j) - base;
-      acc[i] = acc[i] + p.value(r, j, vbytes);
+      if (i >= 0 && i < kTile) acc[i] = acc[i] + p.value(r, j, vbytes);
     }
   }
   __syncthreads();
@@ -508,7 +532,7 @@ __global__ void __launch_bounds__(kThreads)
        i += (int64_t)gridDim.x * kThreads) {
     float e = load_elem(x, x_type, i);
     if (residual != nullptr) {
-      e = e + residual[i];
+      e = canonical(e + residual[i]);
       residual[i] = e;
     }
     finite &= is_finite(e);
@@ -546,30 +570,43 @@ unsigned grid_for(int64_t work, int64_t per_cta, int64_t cap) {
   return (unsigned)(g < cap ? g : cap);
 }
 
-// Workspace layout of topk_compress (all offsets 256-byte aligned).
+// Workspace of topk_compress: the device-side state and every buffer a path may need, sized
+// on the host from n and the candidate capacity alone (nothing is read back).
 struct TopkWorkspace {
   TopkState* state;
   uint32_t* sample_keys;  // kTopkSampleMax
-  int64_t* counts;        // tiles_of(n)
-  int64_t* offsets;       // tiles_of(n)
-  unsigned* hist;         // 2048
+  int64_t* counts;        // tiles_of(n): candidates per tile
+  int64_t* offsets;       // tiles_of(n): candidates before each tile
+  int64_t* above;         // tiles_of(n) each (the selection runs over at most n entries):
+  int64_t* ties;          // entries above T and ties of T per selection tile, and the
+  int64_t* above_before;  // exclusive scans of both
+  int64_t* ties_before;   //
+  unsigned* hist;         // 2048 radix bins
+  uint32_t* cand_bits;    // capacity compacted candidates
+  int32_t* cand_index;    //
 };
 
 int64_t align256(int64_t b) { return (b + 255) / 256 * 256; }
 
-TopkWorkspace carve(void* ws, int64_t n) {
-  uint8_t* p = static_cast<uint8_t*>(ws);
-  TopkWorkspace w;
-  w.state = reinterpret_cast<TopkState*>(p);
-  p += align256(sizeof(TopkState));
-  w.sample_keys = reinterpret_cast<uint32_t*>(p);
-  p += align256(4 * kTopkSampleMax);
-  w.counts = reinterpret_cast<int64_t*>(p);
-  p += align256(8 * tiles_of(n));
-  w.offsets = reinterpret_cast<int64_t*>(p);
-  p += align256(8 * tiles_of(n));
-  w.hist = reinterpret_cast<unsigned*>(p);
-  return w;
+// Lays the workspace out at ws (every piece 256-byte aligned); with ws == nullptr only sizes
+// it. Returns its bytes.
+int64_t carve(uint8_t* ws, int64_t n, int64_t capacity, TopkWorkspace& w) {
+  int64_t off = 0;
+  auto take = [&](int64_t bytes) {
+    uint8_t* p = ws != nullptr ? ws + off : nullptr;
+    off += align256(bytes);
+    return p;
+  };
+  const int64_t tiles = tiles_of(n);
+  w.state = reinterpret_cast<TopkState*>(take(sizeof(TopkState)));
+  w.sample_keys = reinterpret_cast<uint32_t*>(take(4 * kTopkSampleMax));
+  int64_t** per_tile[] = {&w.counts, &w.offsets,      &w.above,
+                          &w.ties,   &w.above_before, &w.ties_before};
+  for (int64_t** p : per_tile) *p = reinterpret_cast<int64_t*>(take(8 * tiles));
+  w.hist = reinterpret_cast<unsigned*>(take(4 * 2048));
+  w.cand_bits = reinterpret_cast<uint32_t*>(take(4 * capacity));
+  w.cand_index = reinterpret_cast<int32_t*>(take(4 * capacity));
+  return off;
 }
 
 EView eview(const TopkArgs& a) { return EView{a.x, a.x_type, a.residual}; }
@@ -578,97 +615,69 @@ PayloadOut payload_out(const TopkArgs& a) {
   return PayloadOut{reinterpret_cast<int32_t*>(a.out), a.out + 4 * a.k, a.value_type, a.residual};
 }
 
-__global__ void topk_select_init_kernel(TopkState* st, int64_t k) {
-  st->prefix = 0;
-  st->need = k;
-}
-
-__global__ void topk_reset_threshold_kernel(TopkState* st) { st->threshold = 0; }
-
-// Counts candidates per tile (fusing the EF add when `fuse`) and scans the counts.
-cudaError_t count_and_scan(const TopkArgs& a, const TopkWorkspace& w, bool fuse,
-                           cudaStream_t stream) {
-  const int64_t tiles = tiles_of(a.n);
-  candidate_count_kernel<<<(unsigned)tiles, kThreads, 0, stream>>>(eview(a), a.residual, a.n, fuse,
-                                                                   w.state, w.counts);
-  exclusive_scan_kernel<<<1, 1024, 0, stream>>>(w.counts, tiles, w.offsets, &w.state->candidates);
-  return cudaGetLastError();
-}
-
 bool topk_args_ok(const TopkArgs& a) {
   return a.n >= 1 && a.n <= 0x7fffffffLL && a.k >= 1 && a.k <= a.n && a.out != nullptr &&
-         tiles_of(a.n) <= 0x7fffffffLL;
+         a.capacity >= 0 && a.capacity <= a.n;
 }
 
 }  // namespace
 
-int64_t topk_workspace_bytes(int64_t n) {
-  return align256(sizeof(TopkState)) + align256(4 * kTopkSampleMax) +
-         2 * align256(8 * tiles_of(n)) + align256(4 * 2048);
+int64_t topk_candidate_capacity(int64_t n, int64_t samples, int64_t sample_rank) {
+  if (sample_rank >= samples) return n;  // threshold 0: every entry is a candidate
+  // The threshold keeps about (rank + 1) / samples of the entries; twice that plus a few tiles
+  // absorbs the sample's error and ties at the threshold. Beyond it, the dense path.
+  const int64_t expect = (sample_rank + 1) * n / samples;
+  const int64_t capacity = 2 * expect + 4 * kTile;
+  return capacity < n ? capacity : n;
 }
 
-int64_t topk_select_workspace_bytes(int64_t candidates) { return 4 * 8 * tiles_of(candidates); }
-
-cudaError_t launch_topk_scan(const TopkArgs& a, void* workspace, cudaStream_t stream) {
-  if (!topk_args_ok(a)) return cudaErrorInvalidValue;
-  const TopkWorkspace w = carve(workspace, a.n);
-  sample_threshold_kernel<<<1, 1024, 0, stream>>>(eview(a), a.n, a.samples, a.sample_rank,
-                                                  a.rng_key, w.sample_keys, w.state);
-  return count_and_scan(a, w, a.residual != nullptr, stream);
+int64_t topk_workspace_bytes(int64_t n, int64_t capacity) {
+  TopkWorkspace w;
+  return carve(nullptr, n, capacity, w);
 }
 
-cudaError_t topk_read_candidates(void* workspace, int64_t* candidates, cudaStream_t stream) {
-  const TopkState* st = static_cast<const TopkState*>(workspace);
-  cudaError_t err =
-      cudaMemcpyAsync(candidates, &st->candidates, sizeof(int64_t), cudaMemcpyDeviceToHost, stream);
-  if (err != cudaSuccess) return err;
-  return cudaStreamSynchronize(stream);
-}
+cudaError_t launch_topk_compress(const TopkArgs& a, void* workspace, cudaStream_t stream) {
+  if (!topk_args_ok(a) || workspace == nullptr) return cudaErrorInvalidValue;
+  TopkWorkspace w;
+  carve(static_cast<uint8_t*>(workspace), a.n, a.capacity, w);
+  const EView ev = eview(a);
+  const PayloadOut out = payload_out(a);
+  const int64_t tiles = tiles_of(a.n);
+  // Passes over tiles stride with at most 1024 CTAs; those of a path not taken exit at once.
+  const unsigned tile_grid = grid_for(a.n, kTile, 1024);
 
-cudaError_t launch_topk_padded(const TopkArgs& a, void* workspace, int64_t candidates,
-                               cudaStream_t stream) {
-  if (!topk_args_ok(a) || candidates > a.k) return cudaErrorInvalidValue;
-  const TopkWorkspace w = carve(workspace, a.n);
-  padded_emit_kernel<<<(unsigned)tiles_of(a.n), kThreads, 0, stream>>>(
-      eview(a), a.n, a.k - candidates, w.state, w.offsets, payload_out(a));
-  return cudaGetLastError();
-}
-
-cudaError_t launch_topk_all_candidates(const TopkArgs& a, void* workspace, cudaStream_t stream) {
-  if (!topk_args_ok(a)) return cudaErrorInvalidValue;
-  const TopkWorkspace w = carve(workspace, a.n);
-  topk_reset_threshold_kernel<<<1, 1, 0, stream>>>(w.state);
-  return count_and_scan(a, w, false, stream);
-}
-
-cudaError_t launch_topk_select(const TopkArgs& a, void* workspace, int64_t candidates,
-                               uint32_t* cand_bits, int32_t* cand_index, void* select_workspace,
-                               cudaStream_t stream) {
-  if (!topk_args_ok(a) || candidates < a.k || candidates > a.n) return cudaErrorInvalidValue;
-  const TopkWorkspace w = carve(workspace, a.n);
-  candidate_compact_kernel<<<(unsigned)tiles_of(a.n), kThreads, 0, stream>>>(
-      eview(a), a.n, w.state, w.offsets, cand_bits, cand_index);
-  topk_select_init_kernel<<<1, 1, 0, stream>>>(w.state, a.k);
+  // (1) Threshold from the sample; (2) the fused EF add and per-tile candidate counts, scanned.
+  sample_threshold_kernel<<<1, 1024, 0, stream>>>(ev, a.n, a.samples, a.sample_rank, a.rng_key,
+                                                  w.sample_keys, w.state);
+  candidate_count_kernel<<<(unsigned)tiles, kThreads, 0, stream>>>(
+      ev, a.residual, a.n, a.residual != nullptr, w.state, w.counts);
+  exclusive_scan_kernel<<<1, 1024, 0, stream>>>(w.counts, tiles, nullptr, w.offsets,
+                                                &w.state->candidates);
+  // (3) The path, chosen on the device; the padded pass or the compaction (or neither).
+  topk_decide_kernel<<<1, 1, 0, stream>>>(w.state, a.n, a.k, a.approximate, a.capacity);
+  padded_emit_kernel<<<tile_grid, kThreads, 0, stream>>>(ev, a.n, a.k, w.state, w.offsets, out);
+  candidate_compact_kernel<<<tile_grid, kThreads, 0, stream>>>(ev, a.n, w.state, w.offsets,
+                                                               w.cand_bits, w.cand_index);
+  // (4) Radix select of the k-th largest key (11 + 10 + 10 bits) over the source. Its grid fits
+  // the compacted candidates; the dense fallback strides through n with the same CTAs.
   const cudaError_t err = cudaMemsetAsync(w.hist, 0, 4 * 2048, stream);
   if (err != cudaSuccess) return err;
-  const unsigned hgrid = grid_for(candidates, (int64_t)kThreads * 16, 1024);
+  const SelectSource src{w.cand_bits, w.cand_index, ev, false};
+  const unsigned hist_grid = grid_for(a.capacity, (int64_t)kThreads * 16, 1024);
   const int shifts[3] = {20, 10, 0}, widths[3] = {11, 10, 10};
   for (int d = 0; d < 3; ++d) {
-    radix_hist_kernel<<<hgrid, kThreads, 0, stream>>>(cand_bits, w.state, shifts[d], widths[d],
-                                                      d == 0, w.hist);
+    radix_hist_kernel<<<hist_grid, kThreads, 0, stream>>>(src, w.state, shifts[d], widths[d],
+                                                          d == 0, w.hist);
     radix_pick_kernel<<<1, 1, 0, stream>>>(w.hist, widths[d], w.state);
   }
-  const int64_t ctiles = tiles_of(candidates);
-  int64_t* above = static_cast<int64_t*>(select_workspace);
-  int64_t* ties = above + ctiles;
-  int64_t* above_before = ties + ctiles;
-  int64_t* ties_before = above_before + ctiles;
-  winner_count_kernel<<<(unsigned)ctiles, kThreads, 0, stream>>>(cand_bits, w.state, above, ties);
-  // The scans' totals are not needed; they land in the state's scratch word.
-  exclusive_scan_kernel<<<1, 1024, 0, stream>>>(above, ctiles, above_before, &w.state->scratch);
-  exclusive_scan_kernel<<<1, 1024, 0, stream>>>(ties, ctiles, ties_before, &w.state->scratch);
-  winner_emit_kernel<<<(unsigned)ctiles, kThreads, 0, stream>>>(
-      cand_bits, cand_index, w.state, above_before, ties_before, payload_out(a));
+  // (5) Winners per tile of the source, their offsets, the ordered write.
+  winner_count_kernel<<<tile_grid, kThreads, 0, stream>>>(src, w.state, w.above, w.ties);
+  exclusive_scan_kernel<<<1, 1024, 0, stream>>>(w.above, 0, &w.state->count, w.above_before,
+                                                &w.state->scratch);
+  exclusive_scan_kernel<<<1, 1024, 0, stream>>>(w.ties, 0, &w.state->count, w.ties_before,
+                                                &w.state->scratch);
+  winner_emit_kernel<<<tile_grid, kThreads, 0, stream>>>(src, w.state, w.above_before,
+                                                         w.ties_before, out);
   return cudaGetLastError();
 }
 

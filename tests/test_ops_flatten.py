@@ -1,4 +1,7 @@
-"""Native flatten / flatten_into / unflatten_into against reference.py, opcheck, bad inputs."""
+"""Multi-tensor flatten / flatten_into / unflatten_into on every device: byte-identical to
+reference.py (torch's own _flatten_dense_tensors layout) over lists mixing odd sizes, empty
+and 0-dim tensors, strided views and narrow dtypes, lists longer than one CUDA launch's
+table; opcheck, tracing, fakes, bad inputs."""
 
 from __future__ import annotations
 
@@ -36,56 +39,65 @@ def _random(shape, dtype, gen):
     return torch.randint(info.min, info.max, shape, generator=gen, dtype=torch.int64).to(dtype)
 
 
-def _mixed_list(dtype, seed=0):
-    """Odd sizes, 0-element tensors, a 0-dim scalar and several kinds of views."""
+def _mixed_list(dtype, seed=0, device="cpu"):
+    """Odd sizes, 0-element tensors, a 0-dim scalar and several kinds of views (made on
+    `device`, so they stay views there)."""
     gen = torch.Generator().manual_seed(seed)
-    base = _random((37, 23), dtype, gen)
-    big = _random((3, 278011), dtype, gen)
+
+    def rnd(shape):
+        return _random(shape, dtype, gen).to(device)
+
+    base = rnd((37, 23))
+    big = rnd((3, 278011))
     return (
-        [_random((n,), dtype, gen) for n in ODD]
+        [rnd((n,)) for n in ODD]
         + [
-            _random((), dtype, gen),  # 0-dim
-            _random((0, 5), dtype, gen),
+            rnd(()),  # 0-dim
+            rnd((0, 5)),
             base.t(),  # transposed
             base[3:30:4, 1::3],  # strided slice with a storage offset
             base[5],  # contiguous row at an offset
             big[:, 1:],  # non-contiguous rows of a big tensor
-            _random((4, 1), dtype, gen).expand(4, 9),  # stride-0 reads
+            rnd((4, 1)).expand(4, 9),  # stride-0 reads
             base.narrow(1, 2, 7).contiguous().view(7, 37),
         ]
     )
 
 
+def _cpu(tensors):
+    return [t.cpu() for t in tensors]
+
+
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality: compares bytes, so -0.0 vs 0.0 or NaN payloads would differ."""
+    """Bitwise equality (on any devices): compares bytes, so -0.0 vs 0.0 or NaN payloads
+    would differ."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(
-        a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
-    )
+    a, b = a.cpu().contiguous().reshape(-1), b.cpu().contiguous().reshape(-1)
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_flatten_matches_reference(dtype):
-    tensors = _mixed_list(dtype)
+def test_flatten_matches_reference(device, dtype):
+    tensors = _mixed_list(dtype, device=device)
     got = ops.flatten(tensors)
-    assert got.is_contiguous() and got.dim() == 1
-    assert _bits_equal(got, reference.flatten(tensors))
+    assert got.is_contiguous() and got.dim() == 1 and got.device.type == device
+    assert _bits_equal(got, reference.flatten(_cpu(tensors)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8], ids=str)
-def test_flatten_into_out_matches_reference(dtype):
-    tensors = _mixed_list(dtype, seed=1)
+def test_flatten_into_out_matches_reference(device, dtype):
+    tensors = _mixed_list(dtype, seed=1, device=device)
     total = sum(t.numel() for t in tensors)
     # `out` is a view at an odd offset inside a larger buffer: the bytes around it stay put.
-    storage = torch.full((total + 11,), 7, dtype=torch.float64).to(dtype)
+    storage = torch.full((total + 11,), 7, dtype=torch.float64).to(dtype).to(device)
     out = storage[5 : 5 + total]
     assert ops.flatten(tensors, out=out) is out
-    assert _bits_equal(out, reference.flatten(tensors))
+    assert _bits_equal(out, reference.flatten(_cpu(tensors)))
     assert (storage[:5] == 7).all() and (storage[5 + total :] == 7).all()
 
 
-def test_flatten_single_huge_and_many_small():
+def test_flatten_single_huge_and_many_small(device):
     # The two shapes the byte-split exists for; both must equal torch's layout exactly.
     gen = torch.Generator().manual_seed(2)
     huge = [torch.randn(2**20 + 3, generator=gen)]
@@ -93,7 +105,27 @@ def test_flatten_single_huge_and_many_small():
         torch.randn(int(n), generator=gen) for n in torch.randint(0, 700, (1000,), generator=gen)
     ]
     for tensors in (huge, small):
-        assert _bits_equal(ops.flatten(tensors), torch._utils._flatten_dense_tensors(tensors))
+        got = ops.flatten([t.to(device) for t in tensors])
+        assert _bits_equal(got, torch._utils._flatten_dense_tensors(tensors))
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.bool, torch.float64],
+    ids=str,
+)
+@pytest.mark.parametrize("count", [1, 40, 1000, 2500])
+def test_flatten_long_lists(device, dtype, count):
+    # Pieces at every alignment, and (CUDA) lists longer than one launch's table of 1800.
+    gen = torch.Generator().manual_seed(count)
+    sizes = torch.randint(0, 5000, (count,), generator=gen).tolist()
+    tensors = [_random((n,), dtype, gen).to(device) for n in sizes] + _mixed_list(dtype, 7, device)
+    got = ops.flatten(tensors)
+    assert _bits_equal(got, reference.flatten(_cpu(tensors)))
+    back = [torch.zeros_like(t) for t in tensors]
+    back[-6] = torch.zeros(37, 23, dtype=dtype, device=device).t()  # a non-contiguous target
+    ops.unflatten_into(got, back)
+    assert all(_bits_equal(a, b) for a, b in zip(back, tensors, strict=True))
 
 
 def test_flatten_same_bits_on_one_thread():
@@ -108,56 +140,61 @@ def test_flatten_same_bits_on_one_thread():
     assert _bits_equal(one, two)
 
 
-def test_flatten_resolves_conjugate_and_negative_views():
-    z = torch.randn(6, dtype=torch.complex64)
-    views = [z.conj(), torch.randn(3, dtype=torch.complex64)._neg_view(), z]
+def test_flatten_resolves_conjugate_and_negative_views(device):
+    z = torch.randn(6, dtype=torch.complex64, device=device)
+    views = [z.conj(), torch.randn(3, dtype=torch.complex64, device=device)._neg_view(), z]
     assert views[0].is_conj() and views[1].is_neg()
     assert _bits_equal(ops.flatten(views), reference.flatten(views))
 
 
-def test_conjugate_destinations_are_refused_by_torch():
+def test_conjugate_destinations_are_refused_by_torch(device):
     # torch's conjugate fallback runs before any kernel and refuses mutable conj lists.
-    d = torch.zeros(2, dtype=torch.complex64).conj()
+    d = torch.zeros(2, dtype=torch.complex64, device=device).conj()
     with pytest.raises(RuntimeError, match="materialize"):
-        ops.unflatten_into(torch.ones(2, dtype=torch.complex64), [d])
-    assert torch.equal(d, torch.zeros(2, dtype=torch.complex64))
+        ops.unflatten_into(torch.ones(2, dtype=torch.complex64, device=device), [d])
+    assert torch.equal(d, torch.zeros(2, dtype=torch.complex64, device=device))
 
 
-def test_flatten_empty_list_into_empty_out():
-    out = torch.empty(0, dtype=torch.float16)
+def test_flatten_empty_list_into_empty_out(device):
+    out = torch.empty(0, dtype=torch.float16, device=device)
     assert ops.flatten([], out=out) is out
-    assert ops.flatten((torch.empty(0), torch.empty(0, 3)), out=torch.empty(0)).numel() == 0
+    empties = (torch.empty(0, device=device), torch.empty(0, 3, device=device))
+    assert ops.flatten(empties, out=torch.empty(0, device=device)).numel() == 0
 
 
-def _destinations(dtype, seed):
+def _destinations(dtype, seed, device="cpu"):
     """Writable destinations: contiguous, strided, interleaved columns, 0-element, 0-dim."""
     gen = torch.Generator().manual_seed(seed)
-    mat = _random((41, 13), dtype, gen)
-    big = _random((2, 300001), dtype, gen)
+
+    def rnd(shape):
+        return _random(shape, dtype, gen).to(device)
+
+    mat = rnd((41, 13))
+    big = rnd((2, 300001))
     return (
-        [_random((n,), dtype, gen) for n in ODD]
+        [rnd((n,)) for n in ODD]
         + [
-            _random((), dtype, gen),
+            rnd(()),
             mat[:, 0],  # the columns of one matrix interleave in memory
             mat[:, 1],
             mat[2:40:3, 4:],
             mat.t()[5:],
             big[:, ::2],
-            _random((0,), dtype, gen),
+            rnd((0,)),
         ]
     )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int16])
-def test_unflatten_into_matches_reference(dtype):
-    native = _destinations(dtype, seed=4)
+def test_unflatten_into_matches_reference(device, dtype):
+    native = _destinations(dtype, seed=4, device=device)
     ref = _destinations(dtype, seed=4)  # the same values, separate storage
     gen = torch.Generator().manual_seed(5)
     flat = _random((sum(t.numel() for t in native),), dtype, gen)
     # Snapshot every base so the elements no destination covers are checked too.
     bases = {id(t._base): t._base for t in native if t._base is not None}
     untouched = {k: b.clone() for k, b in bases.items()}
-    ops.unflatten_into(flat, native)
+    ops.unflatten_into(flat.to(device), native)
     reference.unflatten_into(flat, ref)
     for a, b in zip(native, ref, strict=True):
         assert _bits_equal(a, b)
@@ -168,47 +205,52 @@ def test_unflatten_into_matches_reference(dtype):
             mask = covered[id(t._base)].as_strided(t.shape, t.stride(), t.storage_offset())
             mask.fill_(True)
     for k, b in bases.items():
-        assert _bits_equal(b[~covered[k]], untouched[k][~covered[k]])
+        assert _bits_equal(b.cpu()[~covered[k]], untouched[k].cpu()[~covered[k]])
 
 
-def test_round_trip_many_small_and_one_huge():
+def test_round_trip_many_small_and_one_huge(device):
     gen = torch.Generator().manual_seed(6)
     for tensors in (
         [torch.randn(int(n), generator=gen).half() for n in torch.randint(0, 900, (1000,))],
         [torch.randn(2**20 + 3, generator=gen)],
     ):
+        tensors = [t.to(device) for t in tensors]
         flat = ops.flatten(tensors)
         back = [torch.empty_like(t) for t in tensors]
         ops.unflatten_into(flat, back)
         assert all(_bits_equal(a, b) for a, b in zip(tensors, back, strict=True))
 
 
-def test_unflatten_into_empty_list():
-    ops.unflatten_into(torch.empty(0), [])
+def test_unflatten_into_empty_list(device):
+    ops.unflatten_into(torch.empty(0, device=device), [])
 
 
-def test_opcheck():
+def test_opcheck(device):
     from torch.library import opcheck
 
+    def rnd(*shape):
+        return torch.randn(shape, device=device)
+
     lists = [
-        [torch.randn(3, 4), torch.randn(0), torch.randn(5)],
-        [torch.randn(2, 3).t(), torch.randn(()), torch.randn(7).half().float()],
+        [rnd(3, 4), rnd(0), rnd(5)],
+        [rnd(2, 3).t(), rnd(), rnd(7).half().float()],
     ]
     for tensors in lists:
         total = sum(t.numel() for t in tensors)
         opcheck(torch.ops.ddpcomm.flatten.default, (tensors,))
-        opcheck(torch.ops.ddpcomm.flatten_into.default, (tensors, torch.empty(total)))
-        opcheck(torch.ops.ddpcomm.unflatten_into.default, (torch.randn(total), tensors))
+        opcheck(torch.ops.ddpcomm.flatten_into.default, (tensors, rnd(total)))
+        opcheck(torch.ops.ddpcomm.unflatten_into.default, (rnd(total), tensors))
 
 
-def test_traces_under_compile():
+def test_traces_under_compile(device):
     def step(a, b, out):
         ops.flatten([a, b], out=out)
         out.mul_(2)
         ops.unflatten_into(out, [a, b])
         return a, b
 
-    a, b, out = torch.randn(3, 2), torch.randn(5), torch.empty(11)
+    a, b = torch.randn(3, 2, device=device), torch.randn(5, device=device)
+    out = torch.empty(11, device=device)
     ea, eb = a * 2, b * 2
     got_a, got_b = torch.compile(step, backend="aot_eager", fullgraph=True)(a, b, out)
     assert torch.equal(got_a, ea) and torch.equal(got_b, eb)
@@ -289,12 +331,23 @@ def test_bad_arguments(call, exc, match):
         call()
 
 
-def test_flatten_into_refuses_out_overlapping_an_input():
-    buf = torch.arange(8.0)
+def test_flatten_into_refuses_out_overlapping_an_input(device):
+    buf = torch.arange(8.0, device=device)
     before = buf.clone()
     with pytest.raises(ValueError, match=r"tensors\[1\] shares memory with out"):
-        ops.flatten([torch.ones(2), buf[3:5]], out=buf[4:8])
+        ops.flatten([torch.ones(2, device=device), buf[3:5]], out=buf[4:8])
+    with pytest.raises(ValueError, match="shares memory with out"):
+        ops.flatten([buf[:3]], out=buf[:3])
     assert torch.equal(buf, before)
+
+
+def test_flatten_one_dtype_and_one_device_per_call(device):
+    a = torch.zeros(3, device=device)
+    with pytest.raises(TypeError, match="one call handles one dtype"):
+        ops.flatten([a, a.half()])
+    other = torch.zeros(3, device="meta" if device == "cpu" else "cpu")
+    with pytest.raises(ValueError, match="one call handles one device"):
+        ops.flatten([a, other])
 
 
 def _assert_unflatten_refused(flat, tensors, exc, match):
@@ -304,20 +357,26 @@ def _assert_unflatten_refused(flat, tensors, exc, match):
     assert all(torch.equal(a, b) for a, b in zip(tensors, before, strict=True))
 
 
-def test_unflatten_into_bad_destinations_leave_them_untouched():
-    m = torch.zeros(4, 4)
+def test_unflatten_into_bad_destinations_leave_them_untouched(device):
+    def z(*shape, **kw):
+        return torch.zeros(*shape, device=device, **kw)
+
+    def o(*shape, **kw):
+        return torch.ones(*shape, device=device, **kw)
+
+    m = z(4, 4)
     _assert_unflatten_refused(
-        torch.ones(5), [torch.zeros(2), m.view(-1)[3:7]], ValueError, "flat must have 6 elements"
+        o(5), [z(2), m.view(-1)[3:7]], ValueError, "flat must have 6 elements"
     )
     _assert_unflatten_refused(
-        torch.ones(6),
+        o(6),
         [m[0, :3], m.view(-1)[2:5]],
         ValueError,
         r"tensors\[0\] and tensors\[1\] share",
     )
     _assert_unflatten_refused(
-        torch.ones(8),
-        [torch.zeros(2), torch.zeros(1, 3).expand(2, 3)],
+        o(8),
+        [z(2), z(1, 3).expand(2, 3)],
         ValueError,
         r"tensors\[1\] has elements that share memory",
     )
@@ -325,16 +384,16 @@ def test_unflatten_into_bad_destinations_leave_them_untouched():
         m.view(-1)[:6], [m[2], m[1, :2]], ValueError, r"tensors\[1\] shares memory with flat"
     )
     _assert_unflatten_refused(
-        torch.ones(3, dtype=torch.float16),
-        [torch.zeros(3)],
+        o(3, dtype=torch.float16),
+        [z(3)],
         TypeError,
         r"tensors\[0\] has dtype Float but flat has Half",
     )
-    _assert_unflatten_refused(torch.ones(2, 2), [torch.zeros(4)], ValueError, "flat must be 1-D")
+    _assert_unflatten_refused(o(2, 2), [z(4)], ValueError, "flat must be 1-D")
 
 
 def test_docstring_examples_run():
-    for fn in (ops.flatten, ops.unflatten_into):
+    for fn in (ops.flatten, ops.unflatten_into, ops.quantize, ops.topk_compress):
         for test in doctest.DocTestFinder().find(fn):
             result = doctest.DocTestRunner().run(test)
             assert result.failed == 0, f"{fn.__name__} docstring example failed"
