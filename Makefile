@@ -62,7 +62,7 @@ CUDA_CHECK_DIR := build/cuda-check
 CUDA_INC := $(if $(NVCC),$(shell $(NVCC) --dryrun -x cu -c /dev/null -o /dev/null 2>&1 | \
   sed -n 's/^#\$$ INCLUDES="-I\([^"]*\)".*/\1/p' | head -n 1))
 TORCH_INC = $(wildcard $(VENV)/lib/python3*/site-packages/torch/include)
-CUDA_HDRS := csrc/numerics.h csrc/checks.h $(wildcard csrc/cuda/*.h csrc/cuda/*.cuh)
+CUDA_HDRS := csrc/numerics.h csrc/checks.h csrc/flatten.h $(wildcard csrc/cuda/*.h csrc/cuda/*.cuh)
 CUDA_KERNEL_OBJS := $(patsubst csrc/cuda/%.cu,$(CUDA_CHECK_DIR)/%.o,$(wildcard csrc/cuda/*_kernels.cu))
 CUDA_BINDING_STAMPS := $(patsubst csrc/cuda/%.cpp,$(CUDA_CHECK_DIR)/%.syntax,$(wildcard csrc/cuda/*.cpp))
 NVCC_CHECK_FLAGS := -std=c++17 -O3 --fmad=false -Icsrc -Werror all-warnings \

@@ -331,7 +331,9 @@ def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
         # numbers as the sparse path up to the order gloo/NCCL add the N terms in.
         total = flat if scratch is None else scratch
         with ctx.stats.timer():
-            ops.sparse_accumulate(packed.view(1, -1), n, k, 1, vdtype, torch.float32, out=total)
+            ops.sparse_accumulate(
+                packed.view(1, -1), n, k, 1, vdtype, torch.float32, out=total, check=False
+            )
         ctx.stats.record("topk_dense", sent, dense_eq)
         work = dist.all_reduce(total, group=pg, async_op=True)
 
@@ -357,7 +359,9 @@ def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
         fut.wait()
         with ctx.stats.timer():
             rows = gathered.view(world, size)
-            ops.sparse_accumulate(rows, n, k, world, vdtype, flat.dtype, out=flat, scratch=scratch)
+            ops.sparse_accumulate(
+                rows, n, k, world, vdtype, flat.dtype, out=flat, scratch=scratch, check=False
+            )
             # NaN/Inf rank above every finite magnitude, so a non-finite bucket always sends
             # one: every rank sees it in the gathered rows and resets the same residual.
             if residual is not None:
