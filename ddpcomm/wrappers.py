@@ -126,6 +126,15 @@ def _parse_compression(compression) -> Compressor:
     )
 
 
+def _check_device(t: torch.Tensor, arg: str, pg: dist.ProcessGroup) -> None:
+    types = [d.type for d in getattr(pg, "_device_types", ())]
+    if types and t.device.type not in types:
+        raise ValueError(
+            f"{arg} is on {t.device}, but the group's backend ({dist.get_backend(pg)}) "
+            f"reduces tensors on {', '.join(types)} only"
+        )
+
+
 def _check_group(group) -> dist.ProcessGroup:
     if not dist.is_initialized():
         raise RuntimeError(
@@ -136,12 +145,35 @@ def _check_group(group) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD
 
 
+# What gloo and NCCL reduce (int16 and the wider unsigned types neither does).
+_REDUCIBLE = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+)
+
+
 def _check_tensor(t, arg: str, compressor: Compressor, op) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise TypeError(f"{arg} must be a dense (strided) tensor, got layout {t.layout}")
+    if t.device.type == "meta":
+        raise ValueError(f"{arg} is on the meta device, which holds no values to reduce")
     compressor.check_tensor(t, arg)
+    if t.dtype not in _REDUCIBLE:
+        raise TypeError(
+            f"{arg} has dtype {t.dtype}; ddpcomm.all_reduce reduces "
+            f"{', '.join(str(d).removeprefix('torch.') for d in _REDUCIBLE)}"
+        )
     if op == "mean" and not (t.dtype.is_floating_point or t.dtype.is_complex):
         raise TypeError(
             f"{arg} has dtype {t.dtype}; op='mean' needs a floating point or complex tensor "
@@ -168,6 +200,7 @@ def _group_by_dtype(tensors, compressor: Compressor, op, pg) -> dict[torch.dtype
             raise TypeError(f"tensors[{i}] must be a dense (strided) tensor, got {t.layout}")
         if device is None:
             device = t.device
+            _check_device(t, f"tensors[{i}]", pg)
         elif t.device != device:
             raise ValueError(
                 f"tensors[{i}] is on {t.device} but tensors[0] is on {device}; "
@@ -338,6 +371,7 @@ def all_reduce(
         compressor = _parse_compression(compression)
         rop = _parse_op(op, compressor.lossy)
         _check_tensor(tensor, "tensor", compressor, rop)
+        _check_device(tensor, "tensor", pg)
         if not isinstance(async_op, bool):
             raise TypeError(f"async_op must be a bool, got {async_op!r}")
     except Exception as exc:
