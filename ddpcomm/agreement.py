@@ -299,9 +299,7 @@ def _mismatch(ch, base, fields, note, what, limit) -> ValueError:
             by_value: dict[str, list[int]] = {}
             for r, v in enumerate(values):
                 by_value.setdefault(v, []).append(r)
-            diffs.append(
-                f"{name}: " + ", ".join(f"{ch.who(rs)} {v}" for v, rs in by_value.items())
-            )
+            diffs.append(f"{name}: " + ", ".join(f"{ch.who(rs)} {v}" for v, rs in by_value.items()))
     notes = {rec["note"] for rec in records}
     if len(notes) > 1:
         diffs.append(
