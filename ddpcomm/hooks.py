@@ -277,6 +277,12 @@ def _hook(state: CompressionState, bucket: dist.GradBucket, hook: str) -> torch.
     check_float_tensor(buffer, "bucket")
     index = bucket.index()
     params = bucket.parameters()
+    if index == 0 and state.layout.serves_another_model(params):
+        raise ValueError(
+            f"{hook}: this {type(state).__name__} already serves another DDP model; two "
+            "models sharing one state would mix their residuals and count each iteration "
+            "twice. Give each model its own state (state=None does that)"
+        )
     if state._unchecked:
         _check_first_iteration(state, buffer, index, hook)
     ords = state.layout.observe(index, params)

@@ -36,6 +36,11 @@ class LayoutTracker:
         self.shapes: list[tuple] = []  # ordinal -> shape
         self.layouts: dict[int, tuple[int, ...]] = {}  # bucket index -> ordinals
 
+    def serves_another_model(self, params: list) -> bool:
+        """Whether ``params`` (bucket 0's) are all unknown while others are known: bucket 0
+        of a second model (a model's bucket 0 holds parameters it has shown before)."""
+        return len(self.ordinals) > 0 and not any(p in self.ordinals for p in params)
+
     def observe(self, index: int, params: list) -> tuple[int, ...]:
         """The ordinals of bucket ``index``'s parameters, numbering new ones."""
         ords = []
