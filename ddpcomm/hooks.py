@@ -117,6 +117,8 @@ class CompressionState:
             stats=self._stats,
             workspace=self.workspace,
         )
+        if flat.layout != torch.strided:
+            return collectives.sparse_all_reduce(flat, ctx)
         if self.iteration < self.start_iter or flat.numel() < self.min_numel:
             return collectives.plain_all_reduce(flat, ctx)
         return collectives.all_reduce_mean(flat, self.compressor, ctx)
@@ -274,7 +276,8 @@ def _hook(state: CompressionState, bucket: dist.GradBucket, hook: str) -> torch.
     against the bucket's layout (parameter shapes), so DDP's bucket rebuild resets them
     instead of applying them to the wrong parameters."""
     buffer = bucket.buffer()
-    check_float_tensor(buffer, "bucket")
+    if buffer.layout == torch.strided:
+        check_float_tensor(buffer, "bucket")
     index = bucket.index()
     params = bucket.parameters()
     if index == 0 and state.layout.serves_another_model(params):
@@ -287,7 +290,9 @@ def _hook(state: CompressionState, bucket: dist.GradBucket, hook: str) -> torch.
         _check_first_iteration(state, buffer, index, hook)
     ords = state.layout.observe(index, params)
     reformer = state._reformer
-    if reformer is not None and not reformer.matches(index, ords):
+    if buffer.layout != torch.strided:
+        fut = state.reduce(buffer, index, ())  # sparse: reduced plainly, never re-formed
+    elif reformer is not None and not reformer.matches(index, ords):
         fut = reformer.add(bucket, ords, params)  # the first iteration after a resume
     else:
         fut = state.reduce(buffer, index, state.layout.signature(ords))
@@ -325,6 +330,8 @@ def _bucket_fields(compressor: Compressor, state, buffer: torch.Tensor, index: i
     fields["bucket"] = index
     fields["numel"] = buffer.numel()
     fields["dtype"] = agreement.plain(buffer.dtype)
+    if buffer.layout != torch.strided:
+        fields["layout"] = str(buffer.layout)
     return fields
 
 
@@ -384,6 +391,8 @@ def allreduce_hook(
         )
         for p in params:
             _PLAIN_SEEN[p] = True
+    if buffer.layout != torch.strided:
+        return collectives.sparse_all_reduce(buffer, ReduceContext(group=state))
     return collectives.plain_all_reduce(buffer, ReduceContext(group=state))
 
 
