@@ -300,7 +300,13 @@ def _hook(state: CompressionState, bucket: dist.GradBucket, hook: str) -> torch.
         state.iteration += 1
         state._reformer = None  # DDP has its own layout from now on
         state._unchecked = False
-    return fut
+    # DDP's reducer reads the Future from C++: an error must be a C++-level one (raised in
+    # a callback), or it reaches the user as "Unable to cast <message> to Tensor".
+    return fut.then(_value)
+
+
+def _value(fut: torch.futures.Future):
+    return fut.value()
 
 
 def _check_first_iteration(state, buffer: torch.Tensor, index: int, hook: str) -> None:
