@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ddpcomm import agreement, collectives
+from ddpcomm import agreement, checkpoint, collectives
 from ddpcomm.compressors import (
     Compressor,
     NoCompression,
@@ -68,6 +68,7 @@ class CompressionState:
         "_reformer",
         "_stats",
         "_unchecked",
+        "_pending_position",
         "__weakref__",
     )
 
@@ -94,6 +95,7 @@ class CompressionState:
         # True until this process's first iteration has been checked against the other
         # ranks (hooks.py _check_first_iteration); again after load_state_dict.
         self._unchecked = True
+        self._pending_position: tuple | None = None  # saved (rank, world) to check
 
     def stats(self) -> dict:
         """Bytes handed to collectives, the plain all_reduce equivalent, compression time,
@@ -125,13 +127,21 @@ class CompressionState:
 
     # -- checkpointing -----------------------------------------------------------------
 
-    def state_dict(self) -> dict:
-        """Iteration, residuals, bucket layout and method config: enough to resume bitwise.
+    def state_dict(self, gather: bool = False) -> dict:
+        """Iteration, residuals, bucket layout, method config, and the rank and world size
+        the residuals belong to: enough to resume bitwise.
 
         Load it into a state of the same configuration, registered on the same model
-        built the same way, before the first backward pass of the resumed run.
+        built the same way, on the same rank, before the first backward pass of the
+        resumed run. To save from rank 0 only, call ``state_dict(gather=True)`` on every
+        rank (a collective): rank 0 gets every rank's state_dict in one dict, the others
+        ``{}``; load that file on every rank. See ``ddpcomm.checkpoint``.
         """
-        return {
+        rank, world = checkpoint.group_position(self.process_group)
+        sd = {
+            "version": checkpoint.VERSION,
+            "rank": rank,
+            "world_size": world,
             "config": self.compressor.config(),
             "iteration": self.iteration,
             "start_iter": self.start_iter,
@@ -139,24 +149,38 @@ class CompressionState:
             "memory": self.memory.state_dict(),
             "layout": self.layout.state_dict(),
         }
+        return checkpoint.gather(sd, self.process_group) if gather else sd
 
-    def load_state_dict(self, sd: dict) -> None:
-        """Restores a ``state_dict``. DDP's first iteration in the new process groups
-        gradients differently from the checkpoint's buckets; that iteration reduces them
-        in the saved buckets (ddpcomm.layout), so training continues bitwise."""
+    def load_state_dict(self, sd: dict, reset_residuals: bool = False) -> None:
+        """Restores a ``state_dict`` (this rank's own, or a gathered one). DDP's first
+        iteration in the new process groups gradients differently from the checkpoint's
+        buckets; that iteration reduces them in the saved buckets (ddpcomm.layout), so
+        training continues bitwise.
+
+        Raises, loading nothing, for a malformed state_dict, another method's, or one
+        whose residuals belong to another rank or world size; with ``reset_residuals``
+        the latter keeps the iteration and settings and starts residuals from zero.
+        """
+        if not isinstance(reset_residuals, bool):
+            raise TypeError(f"reset_residuals must be a bool, got {reset_residuals!r}")
+        sd, drop, pending = checkpoint.select(sd, self.process_group, reset_residuals)
         if tuple(sd["config"]) != self.compressor.config():
             raise ValueError(
-                f"state_dict was saved with config {sd['config']}, this state has "
+                f"state_dict was saved with config {tuple(sd['config'])}, this state has "
                 f"{self.compressor.config()}"
             )
-        self.iteration = int(sd["iteration"])
-        self.start_iter = int(sd["start_iter"])
-        self.min_numel = int(sd["min_numel"])
-        self.memory.load_state_dict(sd["memory"])
+        self.iteration = sd["iteration"]
+        self.start_iter = sd["start_iter"]
+        self.min_numel = sd["min_numel"]
+        if drop:
+            self.memory = ResidualMemory()
+        else:
+            self.memory.load_state_dict(sd["memory"])
         self.layout = LayoutTracker()
         saved = sd["layout"]
         self._reformer = Reformer(saved, self.layout, self.reduce) if saved["layouts"] else None
-        self._unchecked = True  # a loaded state checks its first iteration again
+        self._pending_position = pending
+        self._unchecked = True
 
     def __getstate__(self) -> dict:
         # Process groups do not pickle; a restored state reduces over the default group.
@@ -314,6 +338,12 @@ def _check_first_iteration(state, buffer: torch.Tensor, index: int, hook: str) -
     the same size and dtype the same way (method, options, start_iter, min_numel,
     iteration). After it DDP's buckets are rank 0's layout, broadcast, and which path a
     bucket takes follows from the settings agreed here."""
+    if state._pending_position is not None:
+        now = checkpoint.group_position(state.process_group)
+        message = checkpoint.position_error(state._pending_position, now)
+        if message is not None:
+            raise ValueError(f"{hook}: loaded state_dict: {message}")
+        state._pending_position = None
     fields = _bucket_fields(state.compressor, state, buffer, index)
     pg = state.process_group if state.process_group is not None else dist.group.WORLD
     agreement.agree(
