@@ -230,17 +230,17 @@ def _next_step(pg: dist.ProcessGroup) -> int:
         return step
 
 
-def _agree(pg, compressor: Compressor, op, sizes: list, fn: str) -> None:
-    """Every call, before any collective: ranks that differ in the method, op, dtypes or
-    sizes get a ValueError on every rank, instead of a backend abort, a hang, or
-    different values on different ranks (ddpcomm.agreement). One small store exchange;
-    a rank that never makes the call is reported after the group's timeout, with a
-    warning after 10 s."""
+def _agree(pg, compressor: Compressor, op, groups: list, fn: str) -> None:
+    """Every call, before any collective: ranks that differ in the method, op, or the
+    dtypes and sizes of the tensors (per collective, in order) get a ValueError on every
+    rank, instead of a backend abort, a hang, or different values on different ranks
+    (ddpcomm.agreement). One small store exchange; a rank that never makes the call is
+    reported after the group's timeout, with a warning after 10 s."""
     fields = {
         "call": "all_reduce",
         **agreement.method_fields(compressor),
         "op": agreement.plain(op),
-        "tensors": [[agreement.plain(dtype), numel] for dtype, numel in sizes],
+        "tensors": [[agreement.plain(ts[0].dtype), [t.numel() for t in ts]] for ts in groups],
     }
     agreement.agree(pg, fields, f"a ddpcomm.{fn} call", note=fn, warn_after=10.0)
 
@@ -379,7 +379,7 @@ def all_reduce(
         agreement.refuse(pg, exc, "a ddpcomm.all_reduce call")
         raise
     # Before any early return: a rank with an empty tensor still meets its peers here.
-    _agree(pg, compressor, rop, [(tensor.dtype, tensor.numel())], "all_reduce")
+    _agree(pg, compressor, rop, [[tensor]], "all_reduce")
 
     # Reducing values is not differentiable (dist.all_reduce ignores autograd too); a
     # detached alias lets a parameter that requires grad be reduced in place.
@@ -462,8 +462,7 @@ def all_reduce_coalesced(
         raise
     # A group of empty tensors has nothing to reduce; every rank skips it alike.
     groups = [ts for ts in groups.values() if any(t.numel() for t in ts)]
-    sizes = [(ts[0].dtype, sum(t.numel() for t in ts)) for ts in groups]
-    _agree(pg, compressor, rop, sizes, "all_reduce_coalesced")
+    _agree(pg, compressor, rop, groups, "all_reduce_coalesced")
     if not groups:
         device = tensors[0].device if tensors else torch.device("cpu")
         return AllReduceHandle(completed(tensors, device)) if async_op else None
