@@ -85,11 +85,12 @@ def plain_all_reduce(flat: torch.Tensor, ctx: ReduceContext) -> Future:
 
 
 def sparse_all_reduce(grad: torch.Tensor, ctx: ReduceContext) -> Future:
-    """A sparse gradient bucket (``nn.Embedding(sparse=True)``): reduced plainly, as DDP's
-    default does (scale by 1/N, then torch's sparse all_reduce); the lossy methods take
-    dense buckets only. ``stats()`` counts it as path ``sparse_plain``."""
+    """A sparse gradient bucket (``nn.Embedding(sparse=True)``): reduced plainly, bitwise
+    as DDP's default does (divide by N, then torch's sparse all_reduce; the reducer
+    divides sparse gradients where it multiplies dense ones by 1/N); the lossy methods
+    take dense buckets only. ``stats()`` counts it as path ``sparse_plain``."""
     world = dist.get_world_size(ctx.pg)
-    grad.mul_(1.0 / world)
+    grad.div_(world)
     # gloo's sparse all_reduce all-gathers every rank's indices and values.
     own = grad._indices().numel() * 8 + grad._values().numel() * grad.element_size()
     ctx.stats.record(
