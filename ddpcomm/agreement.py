@@ -211,40 +211,39 @@ def _wait(ch: Channel, keys: list[str], what: str, limit: float, warn_after) -> 
         return
     start = time.monotonic()
     where_key = None
-    stages = [_WHERE_AFTER]
-    if warn_after is not None:
-        stages.append(warn_after)
-    stages = sorted(s for s in stages if s < limit) + [limit]
-    try:
-        for stage in stages:
-            left = stage - (time.monotonic() - start)
-            try:
-                ch.store.wait(keys, datetime.timedelta(seconds=max(left, 0.001)))
-                return
-            except RuntimeError:  # the store's timeout (DistStoreError is one)
-                pass
-            if stage == _WHERE_AFTER:
-                where_key = _publish_where(ch, what)
-            if stage == warn_after and stage != limit:
-                missing = _missing(ch, keys)
-                if missing:
-                    warnings.warn(
-                        f"ddpcomm: still waiting for {ch.who(missing)} at {what} after "
-                        f"{stage:.0f} s (up to the group's timeout, {limit:.0f} s). "
-                        f"{_where(ch, missing)}",
-                        stacklevel=4,
-                    )
-        missing = _missing(ch, keys)
-        marker = _ABORT + _missing_message(ch, missing, what, limit)
-        gave_up = []
-        for r in missing:
-            if ch.store.compare_set(keys[r], "", marker).decode().startswith(_ABORT):
-                gave_up.append(r)  # still missing (or another rank marked it first)
-        if gave_up:
-            raise RuntimeError(_missing_message(ch, gave_up, what, limit))
-    finally:
-        if where_key is not None:
-            c10d._get_default_store().delete_key(where_key)
+    stages = [_WHERE_AFTER] + ([warn_after] if warn_after is not None else [])
+    for stage in sorted(s for s in stages if s < limit) + [limit]:
+        left = stage - (time.monotonic() - start)
+        try:
+            ch.store.wait(keys, datetime.timedelta(seconds=max(left, 0.001)))
+        except RuntimeError:  # the store's timeout (DistStoreError is one)
+            pass
+        else:
+            if where_key is not None:
+                c10d._get_default_store().delete_key(where_key)
+            return
+        if stage == _WHERE_AFTER:
+            where_key = _publish_where(ch, what)
+        if stage == warn_after and stage != limit:
+            missing = _missing(ch, keys)
+            if missing:
+                warnings.warn(
+                    f"ddpcomm: still waiting for {ch.who(missing)} at {what} after "
+                    f"{stage:.0f} s (up to the group's timeout, {limit:.0f} s). "
+                    f"{_where(ch, missing)}",
+                    stacklevel=4,
+                )
+    missing = _missing(ch, keys)
+    marker = _ABORT + _missing_message(ch, missing, what, limit)
+    gave_up = []
+    for r in missing:
+        if ch.store.compare_set(keys[r], "", marker).decode().startswith(_ABORT):
+            gave_up.append(r)  # still missing (or another rank marked it first)
+    if gave_up:
+        # The where key stays: a peer that gives up at the same moment may read it yet.
+        raise RuntimeError(_missing_message(ch, gave_up, what, limit))
+    if where_key is not None:
+        c10d._get_default_store().delete_key(where_key)
 
 
 def _missing(ch: Channel, keys: list[str]) -> list[int]:
