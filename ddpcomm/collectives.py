@@ -84,6 +84,22 @@ def plain_all_reduce(flat: torch.Tensor, ctx: ReduceContext) -> Future:
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+def sparse_all_reduce(grad: torch.Tensor, ctx: ReduceContext) -> Future:
+    """A sparse gradient bucket (``nn.Embedding(sparse=True)``): reduced plainly, bitwise
+    as DDP's default does (divide by N, then torch's sparse all_reduce; the reducer
+    divides sparse gradients where it multiplies dense ones by 1/N); the lossy methods
+    take dense buckets only. ``stats()`` counts it as path ``sparse_plain``."""
+    world = dist.get_world_size(ctx.pg)
+    grad.div_(world)
+    # gloo's sparse all_reduce all-gathers every rank's indices and values.
+    own = grad._indices().numel() * 8 + grad._values().numel() * grad.element_size()
+    ctx.stats.record(
+        "sparse_plain", (world - 1) * own, dense_bytes(grad.numel(), world, grad.element_size())
+    )
+    work = dist.all_reduce(grad, group=ctx.pg, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
 def _cast(flat: torch.Tensor, c: CastCompression, ctx: ReduceContext) -> Future:
     world = dist.get_world_size(ctx.pg)
     with ctx.stats.timer():

@@ -16,8 +16,15 @@ True
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 
 import torch
+
+try:
+    from numpy import bool_ as numpy_bool
+except ImportError:  # numpy is optional for torch
+    numpy_bool = bool
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -44,8 +51,14 @@ def _check_bool(value, arg: str) -> bool:
 
 
 def check_int(value, arg: str, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as an int: Python and numpy integers pass, bools and floats (even 8.0)
+    raise TypeError, values outside [lo, hi] ValueError."""
+    if isinstance(value, (bool, numpy_bool)):
         raise TypeError(f"{arg} must be an int, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{arg} must be an int, got {value!r}") from None
     if value < lo or (hi is not None and value > hi):
         bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueError(f"{arg} must be {bound}, got {value}")
@@ -150,7 +163,8 @@ class Quantizer(Compressor):
     ) -> None:
         if isinstance(bits, bool) or bits not in (1, 2, 4, 8):
             raise ValueError(f"bits must be one of 1, 2, 4, 8, got {bits!r}")
-        check_int(block_size, "block_size", 32, 65536)
+        bits = check_int(bits, "bits", 1, 8)  # 8.0 is one of them, but not an int
+        block_size = check_int(block_size, "block_size", 32, 65536)
         if block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two in [32, 65536], got {block_size}")
         if algorithm not in ALGORITHMS:
@@ -225,7 +239,7 @@ class Quantizer(Compressor):
 
 def check_ratio(ratio) -> float:
     """A density in (0, 1]; NaN, 0, negatives and values above 1 raise ValueError."""
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+    if isinstance(ratio, (bool, numpy_bool)) or not isinstance(ratio, numbers.Real):
         raise TypeError(f"ratio must be a float in (0, 1], got {ratio!r}")
     ratio = float(ratio)
     if not 0.0 < ratio <= 1.0:  # also rejects NaN

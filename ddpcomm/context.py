@@ -22,6 +22,7 @@ wrote it. Every Future here that carries a CUDA tensor is the collective's own f
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import threading
 import time
@@ -364,9 +365,14 @@ class Sequencer:
     def __init__(self, group: dist.ProcessGroup) -> None:
         ranks = dist.get_process_group_ranks(group)
         # Only members call this, at their first two-phase step, in the same order. The
-        # companion runs on the group's own backend: a NCCL group's phase 2 stays on NCCL.
+        # companion runs on the group's own backend (a NCCL group's phase 2 stays on
+        # NCCL) with the group's timeout: a frozen peer fails phase 2 when the user's
+        # timeout says, not after torch's default of 30 minutes.
         self.companion = dist.new_group(
-            ranks, backend=dist.get_backend(group), use_local_synchronization=True
+            ranks,
+            backend=dist.get_backend(group),
+            timeout=group_timeout(group),
+            use_local_synchronization=True,
         )
         self._lock = threading.Lock()
         self._next_ticket = 0
@@ -388,6 +394,16 @@ class Sequencer:
                 fn = self._ready.pop(self._next_to_run)
                 self._next_to_run += 1
                 fn()
+
+
+def group_timeout(pg: dist.ProcessGroup) -> datetime.timedelta | None:
+    """The timeout ``pg`` was created with (None, torch's default, if torch does not say)."""
+    for device in getattr(pg, "_device_types", ()):
+        try:
+            return pg._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+    return None
 
 
 # Weak keys: a destroyed process group is not kept alive by its sequencer.

@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ddpcomm import collectives
+from ddpcomm import agreement, checkpoint, collectives
 from ddpcomm.compressors import (
     Compressor,
+    NoCompression,
     Quantizer,
     RandomK,
     TopK,
@@ -28,7 +29,7 @@ from ddpcomm.compressors import (
     check_int,
     parse,
 )
-from ddpcomm.context import ReduceContext, ResidualMemory, Stats, Workspace, verify_config
+from ddpcomm.context import ReduceContext, ResidualMemory, Stats, Workspace
 from ddpcomm.layout import LayoutTracker, Reformer
 
 
@@ -66,7 +67,8 @@ class CompressionState:
         "layout",
         "_reformer",
         "_stats",
-        "_verified",
+        "_unchecked",
+        "_pending_position",
         "__weakref__",
     )
 
@@ -90,7 +92,10 @@ class CompressionState:
         self.layout = LayoutTracker()
         self._reformer: Reformer | None = None  # set by load_state_dict for one iteration
         self._stats = Stats()
-        self._verified = False
+        # True until this process's first iteration has been checked against the other
+        # ranks (hooks.py _check_first_iteration); again after load_state_dict.
+        self._unchecked = True
+        self._pending_position: tuple | None = None  # saved (rank, world) to check
 
     def stats(self) -> dict:
         """Bytes handed to collectives, the plain all_reduce equivalent, compression time,
@@ -114,22 +119,29 @@ class CompressionState:
             stats=self._stats,
             workspace=self.workspace,
         )
+        if flat.layout != torch.strided:
+            return collectives.sparse_all_reduce(flat, ctx)
         if self.iteration < self.start_iter or flat.numel() < self.min_numel:
             return collectives.plain_all_reduce(flat, ctx)
-        if not self._verified:
-            verify_config(self.compressor.config(), flat.numel(), self.process_group, flat.device)
-            self._verified = True
         return collectives.all_reduce_mean(flat, self.compressor, ctx)
 
     # -- checkpointing -----------------------------------------------------------------
 
-    def state_dict(self) -> dict:
-        """Iteration, residuals, bucket layout and method config: enough to resume bitwise.
+    def state_dict(self, gather: bool = False) -> dict:
+        """Iteration, residuals, bucket layout, method config, and the rank and world size
+        the residuals belong to: enough to resume bitwise.
 
         Load it into a state of the same configuration, registered on the same model
-        built the same way, before the first backward pass of the resumed run.
+        built the same way, on the same rank, before the first backward pass of the
+        resumed run. To save from rank 0 only, call ``state_dict(gather=True)`` on every
+        rank (a collective): rank 0 gets every rank's state_dict in one dict, the others
+        ``{}``; load that file on every rank. See ``ddpcomm.checkpoint``.
         """
-        return {
+        rank, world = checkpoint.group_position(self.process_group)
+        sd = {
+            "version": checkpoint.VERSION,
+            "rank": rank,
+            "world_size": world,
             "config": self.compressor.config(),
             "iteration": self.iteration,
             "start_iter": self.start_iter,
@@ -137,23 +149,38 @@ class CompressionState:
             "memory": self.memory.state_dict(),
             "layout": self.layout.state_dict(),
         }
+        return checkpoint.gather(sd, self.process_group) if gather else sd
 
-    def load_state_dict(self, sd: dict) -> None:
-        """Restores a ``state_dict``. DDP's first iteration in the new process groups
-        gradients differently from the checkpoint's buckets; that iteration reduces them
-        in the saved buckets (ddpcomm.layout), so training continues bitwise."""
+    def load_state_dict(self, sd: dict, reset_residuals: bool = False) -> None:
+        """Restores a ``state_dict`` (this rank's own, or a gathered one). DDP's first
+        iteration in the new process groups gradients differently from the checkpoint's
+        buckets; that iteration reduces them in the saved buckets (ddpcomm.layout), so
+        training continues bitwise.
+
+        Raises, loading nothing, for a malformed state_dict, another method's, or one
+        whose residuals belong to another rank or world size; with ``reset_residuals``
+        the latter keeps the iteration and settings and starts residuals from zero.
+        """
+        if not isinstance(reset_residuals, bool):
+            raise TypeError(f"reset_residuals must be a bool, got {reset_residuals!r}")
+        sd, drop, pending = checkpoint.select(sd, self.process_group, reset_residuals)
         if tuple(sd["config"]) != self.compressor.config():
             raise ValueError(
-                f"state_dict was saved with config {sd['config']}, this state has "
+                f"state_dict was saved with config {tuple(sd['config'])}, this state has "
                 f"{self.compressor.config()}"
             )
-        self.iteration = int(sd["iteration"])
-        self.start_iter = int(sd["start_iter"])
-        self.min_numel = int(sd["min_numel"])
-        self.memory.load_state_dict(sd["memory"])
+        self.iteration = sd["iteration"]
+        self.start_iter = sd["start_iter"]
+        self.min_numel = sd["min_numel"]
+        if drop:
+            self.memory = ResidualMemory()
+        else:
+            self.memory.load_state_dict(sd["memory"])
         self.layout = LayoutTracker()
         saved = sd["layout"]
         self._reformer = Reformer(saved, self.layout, self.reduce) if saved["layouts"] else None
+        self._pending_position = pending
+        self._unchecked = True
 
     def __getstate__(self) -> dict:
         # Process groups do not pickle; a restored state reduces over the default group.
@@ -254,7 +281,7 @@ def _state_for(state, bucket: dist.GradBucket, cls: type, hook: str) -> Compress
     return default
 
 
-def _hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future:
+def _hook(state: CompressionState, bucket: dist.GradBucket, hook: str) -> torch.futures.Future:
     """The body of every compressing hook. Residuals are keyed by bucket index and checked
     against the bucket's layout (parameter shapes), so DDP's bucket rebuild resets them
     instead of applying them to the wrong parameters."""
@@ -269,17 +296,75 @@ def _hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Fut
             "optimize_ddp='ddp_optimizer', or compiled autograd without ddpcomm"
         )
     buffer = bucket.buffer()
-    check_float_tensor(buffer, "bucket")
-    ords, params = state.layout.observe(bucket)
+    if buffer.layout == torch.strided:
+        check_float_tensor(buffer, "bucket")
+    index = bucket.index()
+    params = bucket.parameters()
+    if index == 0 and state.layout.serves_another_model(params):
+        raise ValueError(
+            f"{hook}: this {type(state).__name__} already serves another DDP model; two "
+            "models sharing one state would mix their residuals and count each iteration "
+            "twice. Give each model its own state (state=None does that)"
+        )
+    if state._unchecked:
+        _check_first_iteration(state, buffer, index, hook)
+    ords = state.layout.observe(index, params)
     reformer = state._reformer
-    if reformer is not None and not reformer.matches(bucket.index(), ords):
+    if buffer.layout != torch.strided:
+        fut = state.reduce(buffer, index, ())  # sparse: reduced plainly, never re-formed
+    elif reformer is not None and not reformer.matches(index, ords):
         fut = reformer.add(bucket, ords, params)  # the first iteration after a resume
     else:
-        fut = state.reduce(buffer, bucket.index(), state.layout.signature(ords))
+        fut = state.reduce(buffer, index, state.layout.signature(ords))
     if bucket.is_last():
         state.iteration += 1
         state._reformer = None  # DDP has its own layout from now on
-    return fut
+        state._unchecked = False
+    # DDP's reducer reads the Future from C++: an error must be a C++-level one (raised in
+    # a callback), or it reaches the user as "Unable to cast <message> to Tensor".
+    return fut.then(_value)
+
+
+def _value(fut: torch.futures.Future):
+    return fut.value()
+
+
+def _check_first_iteration(state, buffer: torch.Tensor, index: int, hook: str) -> None:
+    """Every bucket of this process's first iteration: every rank must reduce a bucket of
+    the same size and dtype the same way (method, options, start_iter, min_numel,
+    iteration). After it DDP's buckets are rank 0's layout, broadcast, and which path a
+    bucket takes follows from the settings agreed here."""
+    if state._pending_position is not None:
+        now = checkpoint.group_position(state.process_group)
+        message = checkpoint.position_error(state._pending_position, now)
+        if message is not None:
+            raise ValueError(f"{hook}: loaded state_dict: {message}")
+        state._pending_position = None
+    fields = _bucket_fields(state.compressor, state, buffer, index)
+    pg = state.process_group if state.process_group is not None else dist.group.WORLD
+    agreement.agree(
+        pg,
+        fields,
+        f"bucket {index} of a ddpcomm DDP comm hook's first iteration "
+        f"(iteration {state.iteration})",
+        note=f"{hook} with {type(state).__name__}",
+        limit=agreement.hook_timeout(),
+    )
+
+
+def _bucket_fields(compressor: Compressor, state, buffer: torch.Tensor, index: int) -> dict:
+    fields = {"call": "DDP comm hook", **agreement.method_fields(compressor)}
+    if compressor.lossy:
+        # The lossless path ignores them: a "none" state and allreduce_hook agree.
+        fields["start_iter"] = state.start_iter
+        fields["min_numel"] = state.min_numel
+        fields["iteration"] = state.iteration
+    fields["bucket"] = index
+    fields["numel"] = buffer.numel()
+    fields["dtype"] = agreement.plain(buffer.dtype)
+    if buffer.layout != torch.strided:
+        fields["layout"] = str(buffer.layout)
+    return fields
 
 
 def compress_hook(
@@ -289,28 +374,30 @@ def compress_hook(
 
     ``state=None`` uses ``CompressionState()`` (q8, defaults), one per DDP model.
     """
-    return _hook(_state_for(state, bucket, CompressionState, "compress_hook"), bucket)
+    return _hook(
+        _state_for(state, bucket, CompressionState, "compress_hook"), bucket, "compress_hook"
+    )
 
 
 def quantize_hook(
     state: QuantizeState | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """``compress_hook`` for a ``QuantizeState``; ``None`` means ``QuantizeState()`` (q8)."""
-    return _hook(_state_for(state, bucket, QuantizeState, "quantize_hook"), bucket)
+    return _hook(_state_for(state, bucket, QuantizeState, "quantize_hook"), bucket, "quantize_hook")
 
 
 def topk_hook(
     state: TopKState | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """``compress_hook`` for a ``TopKState``; ``None`` means ``TopKState()`` (1%, exact, EF)."""
-    return _hook(_state_for(state, bucket, TopKState, "topk_hook"), bucket)
+    return _hook(_state_for(state, bucket, TopKState, "topk_hook"), bucket, "topk_hook")
 
 
 def randomk_hook(
     state: RandomKState | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """``compress_hook`` for a ``RandomKState``; ``None`` means ``RandomKState()`` (1%, EF)."""
-    return _hook(_state_for(state, bucket, RandomKState, "randomk_hook"), bucket)
+    return _hook(_state_for(state, bucket, RandomKState, "randomk_hook"), bucket, "randomk_hook")
 
 
 def allreduce_hook(
@@ -318,8 +405,28 @@ def allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP hook: the plain, lossless mean (what DDP does without a hook), bitwise.
 
-    ``state`` is the process group to use, or None for the default group.
+    ``state`` is the process group to use, or None for the default group. In a model's
+    first iteration it takes part in the rank agreement like the compressing hooks, so a
+    rank running it while another runs a compressing hook is an error on both.
     """
     if state is not None and not isinstance(state, dist.ProcessGroup):
         raise TypeError(f"allreduce_hook takes a ProcessGroup or None, got {type(state).__name__}")
-    return collectives.plain_all_reduce(bucket.buffer(), ReduceContext(group=state))
+    buffer = bucket.buffer()
+    params = bucket.parameters()
+    if params and params[0] not in _PLAIN_SEEN:  # this model's first iteration
+        agreement.agree(
+            state if state is not None else dist.group.WORLD,
+            _bucket_fields(NoCompression(), None, buffer, bucket.index()),
+            f"bucket {bucket.index()} of a ddpcomm DDP comm hook's first iteration",
+            note="allreduce_hook",
+            limit=agreement.hook_timeout(),
+        )
+        for p in params:
+            _PLAIN_SEEN[p] = True
+    if buffer.layout != torch.strided:
+        return collectives.sparse_all_reduce(buffer, ReduceContext(group=state))
+    return collectives.plain_all_reduce(buffer, ReduceContext(group=state))
+
+
+# Parameters whose model has had its first iteration under allreduce_hook.
+_PLAIN_SEEN = WeakIdKeyDictionary()

@@ -36,8 +36,13 @@ class LayoutTracker:
         self.shapes: list[tuple] = []  # ordinal -> shape
         self.layouts: dict[int, tuple[int, ...]] = {}  # bucket index -> ordinals
 
-    def observe(self, bucket: dist.GradBucket) -> tuple[tuple[int, ...], list]:
-        params = bucket.parameters()
+    def serves_another_model(self, params: list) -> bool:
+        """Whether ``params`` (bucket 0's) are all unknown while others are known: bucket 0
+        of a second model (a model's bucket 0 holds parameters it has shown before)."""
+        return len(self.ordinals) > 0 and not any(p in self.ordinals for p in params)
+
+    def observe(self, index: int, params: list) -> tuple[int, ...]:
+        """The ordinals of bucket ``index``'s parameters, numbering new ones."""
         ords = []
         for p in params:
             o = self.ordinals.get(p)
@@ -46,8 +51,8 @@ class LayoutTracker:
                 self.shapes.append(tuple(p.shape))
             ords.append(o)
         ords = tuple(ords)
-        self.layouts[bucket.index()] = ords
-        return ords, params
+        self.layouts[index] = ords
+        return ords
 
     def signature(self, ords: tuple[int, ...]) -> tuple:
         """Shapes in bucket order: portable across processes, used to key residuals."""

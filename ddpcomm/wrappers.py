@@ -22,8 +22,15 @@ keep: spec strings are built with ``error_feedback=False`` (q1/q2 default it on 
 and a compressor object with error feedback on is refused. Use the hooks to get it.
 
 Every argument is checked on every tensor before any tensor is touched or any collective
-issued, so a refused call leaves its inputs unchanged and its peers not waiting. (The one
-check that runs later is whether coalesced entries share memory; see there.)
+issued, so a refused call leaves its inputs unchanged; its peers, if their own call was
+accepted, fail at once naming the refused rank. (The one check that runs later is
+whether coalesced entries share memory; see there.)
+
+Agreement. Every call first checks, through the group's store, that every rank makes the
+same call: method and options, op, and the dtype and size of every collective
+(``ddpcomm.agreement``). A mismatch is a ValueError on every rank naming the setting and
+the ranks; nothing is reduced. It costs one small store exchange per call, and makes the
+call a rendezvous even with ``async_op=True``: it returns once every rank has made it.
 """
 
 from __future__ import annotations
@@ -35,9 +42,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ddpcomm import collectives, ops
+from ddpcomm import agreement, collectives, ops
 from ddpcomm.compressors import Compressor, parse
-from ddpcomm.context import ReduceContext, completed, join, verify_config
+from ddpcomm.context import ReduceContext, completed, join
 
 Future = torch.futures.Future
 ReduceOp = dist.ReduceOp
@@ -119,6 +126,15 @@ def _parse_compression(compression) -> Compressor:
     )
 
 
+def _check_device(t: torch.Tensor, arg: str, pg: dist.ProcessGroup) -> None:
+    types = [d.type for d in getattr(pg, "_device_types", ())]
+    if types and t.device.type not in types:
+        raise ValueError(
+            f"{arg} is on {t.device}, but the group's backend ({dist.get_backend(pg)}) "
+            f"reduces tensors on {', '.join(types)} only"
+        )
+
+
 def _check_group(group) -> dist.ProcessGroup:
     if not dist.is_initialized():
         raise RuntimeError(
@@ -129,12 +145,35 @@ def _check_group(group) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD
 
 
+# What gloo and NCCL reduce (int16 and the wider unsigned types neither does).
+_REDUCIBLE = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+)
+
+
 def _check_tensor(t, arg: str, compressor: Compressor, op) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise TypeError(f"{arg} must be a dense (strided) tensor, got layout {t.layout}")
+    if t.device.type == "meta":
+        raise ValueError(f"{arg} is on the meta device, which holds no values to reduce")
     compressor.check_tensor(t, arg)
+    if t.dtype not in _REDUCIBLE:
+        raise TypeError(
+            f"{arg} has dtype {t.dtype}; ddpcomm.all_reduce reduces "
+            f"{', '.join(str(d).removeprefix('torch.') for d in _REDUCIBLE)}"
+        )
     if op == "mean" and not (t.dtype.is_floating_point or t.dtype.is_complex):
         raise TypeError(
             f"{arg} has dtype {t.dtype}; op='mean' needs a floating point or complex tensor "
@@ -142,7 +181,7 @@ def _check_tensor(t, arg: str, compressor: Compressor, op) -> None:
         )
 
 
-def _group_by_dtype(tensors, compressor: Compressor, op) -> dict[torch.dtype, list]:
+def _group_by_dtype(tensors, compressor: Compressor, op, pg) -> dict[torch.dtype, list]:
     """Checks every entry and groups them by dtype, in order of first appearance.
 
     The dtype-dependent checks run once per dtype: with hundreds of small tensors per
@@ -161,6 +200,7 @@ def _group_by_dtype(tensors, compressor: Compressor, op) -> dict[torch.dtype, li
             raise TypeError(f"tensors[{i}] must be a dense (strided) tensor, got {t.layout}")
         if device is None:
             device = t.device
+            _check_device(t, f"tensors[{i}]", pg)
         elif t.device != device:
             raise ValueError(
                 f"tensors[{i}] is on {t.device} but tensors[0] is on {device}; "
@@ -177,12 +217,10 @@ def _group_by_dtype(tensors, compressor: Compressor, op) -> dict[torch.dtype, li
 # --------------------------------------------------------------------------------------
 
 _LOCK = threading.Lock()
-# Both keyed weakly by process group, so a destroyed group is not kept alive here.
-# Calls so far per group: the `step` of stochastic rounding, so repeated calls draw fresh
-# roundings. Ranks issue collectives on a group in the same order, so they agree.
+# Calls so far per group (keyed weakly, so a destroyed group is not kept alive here): the
+# `step` of stochastic rounding, so repeated calls draw fresh roundings. Ranks issue
+# collectives on a group in the same order, so they agree.
 _CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# Compressor configs whose agreement across the group's ranks has been checked.
-_VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _next_step(pg: dist.ProcessGroup) -> int:
@@ -192,16 +230,19 @@ def _next_step(pg: dist.ProcessGroup) -> int:
         return step
 
 
-def _verify_once(pg: dist.ProcessGroup, compressor: Compressor, numel: int, device) -> None:
-    """At the first lossy call of a configuration on a group, ranks that disagree on the
-    method or the size get a clear error instead of a hang or silent garbage."""
-    config = compressor.config()
-    with _LOCK:
-        if config in _VERIFIED.get(pg, ()):
-            return
-    verify_config(config, numel, pg, device)
-    with _LOCK:
-        _VERIFIED.setdefault(pg, set()).add(config)
+def _agree(pg, compressor: Compressor, op, groups: list, fn: str) -> None:
+    """Every call, before any collective: ranks that differ in the method, op, or the
+    dtypes and sizes of the tensors (per collective, in order) get a ValueError on every
+    rank, instead of a backend abort, a hang, or different values on different ranks
+    (ddpcomm.agreement). One small store exchange; a rank that never makes the call is
+    reported after the group's timeout, with a warning after 10 s."""
+    fields = {
+        "call": "all_reduce",
+        **agreement.method_fields(compressor),
+        "op": agreement.plain(op),
+        "tensors": [[agreement.plain(ts[0].dtype), [t.numel() for t in ts]] for ts in groups],
+    }
+    agreement.agree(pg, fields, f"a ddpcomm.{fn} call", note=fn, warn_after=10.0)
 
 
 # --------------------------------------------------------------------------------------
@@ -325,12 +366,20 @@ def all_reduce(
         >>> handle.get_future().value()[0] is g
         True
     """
-    compressor = _parse_compression(compression)
-    rop = _parse_op(op, compressor.lossy)
     pg = _check_group(group)
-    _check_tensor(tensor, "tensor", compressor, rop)
-    if not isinstance(async_op, bool):
-        raise TypeError(f"async_op must be a bool, got {async_op!r}")
+    try:
+        compressor = _parse_compression(compression)
+        rop = _parse_op(op, compressor.lossy)
+        _check_tensor(tensor, "tensor", compressor, rop)
+        _check_device(tensor, "tensor", pg)
+        if not isinstance(async_op, bool):
+            raise TypeError(f"async_op must be a bool, got {async_op!r}")
+    except Exception as exc:
+        # Peers whose call was accepted fail at once, naming this rank, instead of waiting.
+        agreement.refuse(pg, exc, "a ddpcomm.all_reduce call")
+        raise
+    # Before any early return: a rank with an empty tensor still meets its peers here.
+    _agree(pg, compressor, rop, [[tensor]], "all_reduce")
 
     # Reducing values is not differentiable (dist.all_reduce ignores autograd too); a
     # detached alias lets a parameter that requires grad be reduced in place.
@@ -344,12 +393,8 @@ def all_reduce(
         if not async_op:
             return None
         return AllReduceHandle(work.get_future().then(lambda _: [tensor]))
-    if compressor.lossy:
-        # Before any early return: a rank with an empty tensor still meets its peers here,
-        # and a size mismatch is an error on every rank rather than a hang.
-        _verify_once(pg, compressor, tensor.numel(), tensor.device)
-        if tensor.numel() == 0:
-            return AllReduceHandle(completed([tensor], tensor.device)) if async_op else None
+    if compressor.lossy and tensor.numel() == 0:
+        return AllReduceHandle(completed([tensor], tensor.device)) if async_op else None
 
     flat = view if view is not None else ops.flatten([target])
 
@@ -400,24 +445,29 @@ def all_reduce_coalesced(
         >>> [round(g.sum().item()) for g in grads]                    # the mean of ones
         [9, 5, 0]
     """
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
-        raise TypeError(f"tensors must be a list or tuple of tensors, got {type(tensors).__name__}")
-    compressor = _parse_compression(compression)
-    rop = _parse_op(op, compressor.lossy)
     pg = _check_group(group)
-    if not isinstance(async_op, bool):
-        raise TypeError(f"async_op must be a bool, got {async_op!r}")
-    tensors = list(tensors)
-    groups = _group_by_dtype(tensors, compressor, rop)
+    try:
+        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+            raise TypeError(
+                f"tensors must be a list or tuple of tensors, got {type(tensors).__name__}"
+            )
+        compressor = _parse_compression(compression)
+        rop = _parse_op(op, compressor.lossy)
+        if not isinstance(async_op, bool):
+            raise TypeError(f"async_op must be a bool, got {async_op!r}")
+        tensors = list(tensors)
+        groups = _group_by_dtype(tensors, compressor, rop, pg)
+    except Exception as exc:
+        agreement.refuse(pg, exc, "a ddpcomm.all_reduce_coalesced call")
+        raise
     # A group of empty tensors has nothing to reduce; every rank skips it alike.
     groups = [ts for ts in groups.values() if any(t.numel() for t in ts)]
+    _agree(pg, compressor, rop, groups, "all_reduce_coalesced")
     if not groups:
         device = tensors[0].device if tensors else torch.device("cpu")
         return AllReduceHandle(completed(tensors, device)) if async_op else None
 
     flats = [ops.flatten(ts) for ts in groups]
-    if compressor.lossy:
-        _verify_once(pg, compressor, flats[0].numel(), flats[0].device)
     jobs = [
         (flat, lambda out, ts=ts: ops.unflatten_into(out, ts))
         for flat, ts in zip(flats, groups, strict=True)

@@ -4,6 +4,11 @@
 file store and one thread, runs ``fn(rank, world, *args)`` in every one and returns their
 results in rank order. A failure on any rank raises here with that rank's traceback; a
 hang becomes a timeout error instead of a stuck test run.
+
+``pg_timeout`` (seconds) gives the process group a short timeout, so a test of a failure
+(a mismatch, a dead rank) fails fast instead of hanging when it regresses. With
+``allow_exit=True`` a rank that ends without reporting (``os._exit``, killed) gets
+``EXITED`` as its result instead of failing the run.
 """
 
 import datetime
@@ -16,8 +21,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+EXITED = "<exited without a result>"
 
-def _entry(fn, rank, world, store, results, args):
+
+def run_ranks(
+    fn,
+    world: int,
+    *args,
+    timeout: float = 240.0,
+    pg_timeout: float | None = None,
+    allow_exit: bool = False,
+) -> list:
+    return _spawn(fn, world, args, timeout, pg_timeout or 120.0, allow_exit)
+
+
+def _entry(fn, rank, world, store, pg_timeout, results, args):
     try:
         torch.set_num_threads(1)
         dist.init_process_group(
@@ -25,38 +43,48 @@ def _entry(fn, rank, world, store, results, args):
             init_method=f"file://{store}",
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=120),
+            timeout=datetime.timedelta(seconds=pg_timeout),
         )
-        try:
-            out = fn(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, True, out))
+        results.put((rank, True, fn(rank, world, *args)))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
         results.put((rank, False, traceback.format_exc()))
+    # No destroy_process_group: after a failure test the group may be unusable and its
+    # teardown could wait on a peer that is gone. Flush the result, then exit at once.
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 240.0) -> list:
+def _spawn(fn, world, args, timeout, pg_timeout, allow_exit) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world, store, results, args))
+            ctx.Process(target=_entry, args=(fn, r, world, store, pg_timeout, results, args))
             for r in range(world)
         ]
         for p in procs:
             p.start()
         out, error = {}, None
         try:
-            for _ in range(world):
-                rank, ok, value = results.get(timeout=timeout)
+            while len(out) < world:
+                try:
+                    rank, ok, value = results.get(timeout=1.0)
+                except queue.Empty:
+                    timeout -= 1.0
+                    if timeout <= 0:
+                        error = f"ranks timed out; results from {sorted(out)} only"
+                        break
+                    if allow_exit:
+                        for r, p in enumerate(procs):
+                            if r not in out and not p.is_alive() and results.empty():
+                                out[r] = EXITED
+                    continue
                 if not ok:
                     error = f"rank {rank} failed:\n{value}"
                     break
                 out[rank] = value
-        except queue.Empty:
-            error = f"ranks timed out after {timeout:.0f}s"
         finally:
             for p in procs:
                 p.join(timeout=0.5 if error else 10)

@@ -1,0 +1,310 @@
+"""Every bad input a user can hand the Python API, one table, counted per category.
+
+Each row is a call that must raise the named exception with a message naming the
+argument (and the allowed values where there is a list of them). The counts per category
+may only grow: ``test_count_only_grows`` fails when a row is dropped. Rows that reach a
+collective run on an in-process one-rank gloo group.
+
+Left for the native op layer (ddpcomm/ops.py, csrc/), not here: aliasing checks in
+quantize_into / sparse_accumulate_into, bool where an op takes an int, flatten([]) and
+sparse tensors to flatten, the half-step bound when a block's absmax is denormal.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import ddpcomm
+from ddpcomm import collectives, compressors
+from ddpcomm.compressors import Quantizer, RandomK, TopK
+from ddpcomm.context import ReduceContext, ResidualMemory
+
+
+class _Bucket:
+    """The parts of dist.GradBucket the hooks use."""
+
+    def __init__(self, buffer, params=()):
+        self._buffer, self._params = buffer, list(params)
+
+    def buffer(self):
+        return self._buffer
+
+    def index(self):
+        return 0
+
+    def is_last(self):
+        return True
+
+    def parameters(self):
+        return self._params
+
+
+def _env(value):
+    def call():
+        os.environ["DDPCOMM_AGREEMENT_TIMEOUT"] = value
+        try:
+            ddpcomm.agreement.hook_timeout()
+        finally:
+            del os.environ["DDPCOMM_AGREEMENT_TIMEOUT"]
+
+    return call
+
+
+_GOOD_SD = ddpcomm.QuantizeState(4, error_feedback=True).state_dict()
+_X = torch.randn(8)
+
+# (category, label, call, exception, match)
+ROWS = [
+    # Spec strings
+    ("spec", "unknown", lambda: compressors.parse("q3"), ValueError, "known methods: none"),
+    ("spec", "empty", lambda: compressors.parse(""), ValueError, "unknown compression spec"),
+    ("spec", "fp32", lambda: compressors.parse("fp32"), ValueError, "unknown compression spec"),
+    ("spec", "q8:", lambda: compressors.parse("q8:"), ValueError, "takes no ':' argument"),
+    ("spec", "q8:2", lambda: compressors.parse("q8:2"), ValueError, "takes no ':' argument"),
+    ("spec", "none:1", lambda: compressors.parse("none:1"), ValueError, "takes no ':'"),
+    ("spec", "topk", lambda: compressors.parse("topk"), ValueError, "needs a ratio"),
+    ("spec", "topk:", lambda: compressors.parse("topk:"), ValueError, "needs a ratio"),
+    ("spec", "topk:abc", lambda: compressors.parse("topk:abc"), ValueError, "ratio must be"),
+    ("spec", "topk:0", lambda: compressors.parse("topk:0"), ValueError, r"ratio must be in \(0"),
+    ("spec", "topk:1.5", lambda: compressors.parse("topk:1.5"), ValueError, "ratio must be in"),
+    ("spec", "topk:nan", lambda: compressors.parse("topk:nan"), ValueError, "ratio must be in"),
+    ("spec", "randk:inf", lambda: compressors.parse("randk:inf"), ValueError, "ratio must be"),
+    ("spec", "randk:-1", lambda: compressors.parse("randk:-0.1"), ValueError, "ratio must be"),
+    ("spec", "int", lambda: compressors.parse(8), TypeError, "spec string or a Compressor"),
+    ("spec", "None", lambda: compressors.parse(None), TypeError, "spec string or a Compressor"),
+    ("spec", "fp16 opts", lambda: compressors.parse("fp16", block_size=64), ValueError, "no opt"),
+    ("spec", "object+opts", lambda: compressors.parse(Quantizer(), bits=4), ValueError, "opt"),
+    ("spec", "unknown opt", lambda: compressors.parse("q8", bitz=4), TypeError, "bitz"),
+    # Quantizer options
+    ("quantizer", "bits 3", lambda: Quantizer(3), ValueError, "bits must be one of 1, 2, 4, 8"),
+    ("quantizer", "bits 8.0", lambda: Quantizer(8.0), TypeError, "bits must be an int"),
+    ("quantizer", "bits True", lambda: Quantizer(True), ValueError, "bits must be one of"),
+    ("quantizer", "bits np.bool", lambda: Quantizer(np.bool_(True)), TypeError, "bits must be"),
+    ("quantizer", "bits '8'", lambda: Quantizer("8"), ValueError, "bits must be one of"),
+    ("quantizer", "block 100", lambda: Quantizer(block_size=100), ValueError, "power of two"),
+    ("quantizer", "block 16", lambda: Quantizer(block_size=16), ValueError, r"\[32, 65536\]"),
+    ("quantizer", "block 64.0", lambda: Quantizer(block_size=64.0), TypeError, "block_size must"),
+    ("quantizer", "stochastic 1", lambda: Quantizer(stochastic=1), TypeError, "stochastic must"),
+    ("quantizer", "ef 'yes'", lambda: Quantizer(error_feedback="yes"), TypeError, "error_feedback"),
+    ("quantizer", "algorithm", lambda: Quantizer(algorithm="ring"), ValueError, "algorithm must"),
+    ("quantizer", "seed -1", lambda: Quantizer(seed=-1), ValueError, "seed must be in"),
+    ("quantizer", "seed 1.0", lambda: Quantizer(seed=1.0), TypeError, "seed must be an int"),
+    ("quantizer", "seed 2**63", lambda: Quantizer(seed=2**63), ValueError, "seed must be in"),
+    # Sparsifier options
+    ("sparse", "ratio 0", lambda: TopK(0), ValueError, r"ratio must be in \(0, 1\]"),
+    ("sparse", "ratio 2", lambda: RandomK(2.0), ValueError, r"ratio must be in \(0, 1\]"),
+    ("sparse", "ratio '0.1'", lambda: TopK("0.1"), TypeError, "ratio must be a float"),
+    ("sparse", "ratio True", lambda: RandomK(True), TypeError, "ratio must be a float"),
+    ("sparse", "ratio np.bool", lambda: TopK(np.bool_(True)), TypeError, "ratio must be"),
+    ("sparse", "approximate 1", lambda: TopK(0.1, approximate=1), TypeError, "approximate must"),
+    ("sparse", "value int32", lambda: TopK(0.1, value_dtype=torch.int32), ValueError, "value_dt"),
+    ("sparse", "value str", lambda: TopK(0.1, value_dtype="float16"), ValueError, "value_dtype"),
+    ("sparse", "randk seed", lambda: RandomK(0.1, seed=-2), ValueError, "seed must be in"),
+    ("sparse", "randk ef", lambda: RandomK(0.1, error_feedback=None), TypeError, "error_feedback"),
+    # States
+    ("state", "start_iter -1", lambda: ddpcomm.QuantizeState(start_iter=-1), ValueError, ">= 0"),
+    ("state", "start_iter 2.0", lambda: ddpcomm.TopKState(start_iter=2.0), TypeError, "an int"),
+    ("state", "min_numel -1", lambda: ddpcomm.RandomKState(min_numel=-1), ValueError, "min_numel"),
+    ("state", "min_numel 1.5", lambda: ddpcomm.CompressionState(min_numel=1.5), TypeError, "int"),
+    ("state", "group str", lambda: ddpcomm.CompressionState(process_group="w"), TypeError, "Proc"),
+    ("state", "bits 8.0", lambda: ddpcomm.QuantizeState(bits=8.0), TypeError, "must be an int"),
+    ("state", "option", lambda: ddpcomm.QuantizeState(bitz=8), TypeError, "bitz"),
+    ("state", "none opts", lambda: ddpcomm.CompressionState("none", seed=1), ValueError, "no opt"),
+    ("state", "spec", lambda: ddpcomm.CompressionState("q5"), ValueError, "known methods"),
+    # state_dict
+    ("state_dict", "not a dict", lambda: ddpcomm.QuantizeState().load_state_dict([]), TypeError,
+     "state_dict must be a dict"),
+    ("state_dict", "empty", lambda: ddpcomm.QuantizeState().load_state_dict({}), ValueError,
+     "missing"),
+    ("state_dict", "negative iteration",
+     lambda: ddpcomm.QuantizeState(4, error_feedback=True).load_state_dict(
+         {**_GOOD_SD, "iteration": -3}), ValueError, r"\['iteration'\] must be >= 0"),
+    ("state_dict", "float start_iter",
+     lambda: ddpcomm.QuantizeState(4, error_feedback=True).load_state_dict(
+         {**_GOOD_SD, "start_iter": 1.5}), ValueError, r"\['start_iter'\] must be an int"),
+    ("state_dict", "memory", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "memory": None}), ValueError, "'buffers' and 'signatures'"),
+    ("state_dict", "residual dtype", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "memory": {"buffers": {("q", 0): torch.zeros(3).half()},
+                                             "signatures": {}}}), ValueError, "1-D float32"),
+    ("state_dict", "layout", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "layout": {}}), ValueError, "'shapes' and 'layouts'"),
+    ("state_dict", "other method", lambda: ddpcomm.QuantizeState(8).load_state_dict(_GOOD_SD),
+     ValueError, "saved with config"),
+    ("state_dict", "reset flag", lambda: ddpcomm.QuantizeState().load_state_dict(
+        _GOOD_SD, reset_residuals=1), TypeError, "reset_residuals must be a bool"),
+    ("state_dict", "gathered, no group", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({"gathered": True, "world_size": 1, "ranks": [_GOOD_SD]}), RuntimeError,
+     "after init_process_group"),
+    ("state_dict", "gathered, bad", lambda: ddpcomm.QuantizeState().load_state_dict(
+        {"gathered": True, "world_size": 3, "ranks": []}), ValueError, "malformed gathered"),
+    ("state_dict", "gather, no group", lambda: ddpcomm.QuantizeState().state_dict(gather=True),
+     RuntimeError, "needs init_process_group"),
+    # Hooks and their states
+    ("hooks", "wrong state", lambda: ddpcomm.quantize_hook(ddpcomm.TopKState(), None), TypeError,
+     "quantize_hook needs a QuantizeState"),
+    ("hooks", "object state", lambda: ddpcomm.topk_hook(object(), None), TypeError,
+     "topk_hook needs a TopKState"),
+    ("hooks", "allreduce str", lambda: ddpcomm.allreduce_hook("group", None), TypeError,
+     "allreduce_hook takes a ProcessGroup"),
+    ("hooks", "int bucket", lambda: ddpcomm.compress_hook(
+        ddpcomm.CompressionState(), _Bucket(torch.arange(10))), TypeError, "float32, float16"),
+    ("hooks", "complex bucket", lambda: ddpcomm.compress_hook(
+        ddpcomm.CompressionState(), _Bucket(torch.zeros(4, dtype=torch.complex64))), TypeError,
+     "bfloat16"),
+    # The agreement's one knob
+    ("env", "timeout abc", _env("abc"), ValueError, "DDPCOMM_AGREEMENT_TIMEOUT must be a number"),
+    ("env", "timeout 0", _env("0"), ValueError, "must be > 0"),
+    ("env", "timeout -1", _env("-1"), ValueError, "must be > 0"),
+    ("env", "timeout nan", _env("nan"), ValueError, "must be > 0"),
+]  # fmt: skip
+
+
+def _meta():
+    return torch.ones(3, device="meta")
+
+
+def _qint8():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors are deprecated, still accepted
+        return torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+
+
+# Rows that reach a process group: run on a one-rank gloo group.
+GROUP_ROWS = [
+    ("wrappers", "float", lambda: ddpcomm.all_reduce(3.0), TypeError, "must be a torch.Tensor"),
+    ("wrappers", "meta sum", lambda: ddpcomm.all_reduce(_meta(), op="sum"), ValueError, "meta"),
+    ("wrappers", "meta mean", lambda: ddpcomm.all_reduce(_meta()), ValueError, "meta device"),
+    ("wrappers", "meta q8", lambda: ddpcomm.all_reduce(_meta(), "q8"), ValueError, "meta device"),
+    ("wrappers", "meta list", lambda: ddpcomm.all_reduce_coalesced([_meta()]), ValueError, "meta"),
+    ("wrappers", "qint8", lambda: ddpcomm.all_reduce(_qint8(), op="sum"), TypeError, "qint8"),
+    ("wrappers", "uint16", lambda: ddpcomm.all_reduce(torch.ones(2, dtype=torch.uint16),
+     op="sum"), TypeError, "reduces float32"),
+    ("wrappers", "int16", lambda: ddpcomm.all_reduce(torch.ones(2, dtype=torch.int16),
+     op="sum"), TypeError, "int16"),
+    ("wrappers", "float8", lambda: ddpcomm.all_reduce(torch.ones(2).to(torch.float8_e4m3fn),
+     op="sum"), TypeError, "float8"),
+    ("wrappers", "float8 mean", lambda: ddpcomm.all_reduce(
+        torch.ones(2).to(torch.float8_e4m3fn)), TypeError, "float8"),
+    ("wrappers", "bool mean", lambda: ddpcomm.all_reduce(torch.ones(2, dtype=torch.bool)),
+     TypeError, "op='mean' needs a floating"),
+    ("wrappers", "int q8", lambda: ddpcomm.all_reduce(torch.arange(4), "q8"), TypeError, "int64"),
+    ("wrappers", "complex q8", lambda: ddpcomm.all_reduce(torch.zeros(2, dtype=torch.complex64),
+     "q8"), TypeError, "complex64"),
+    ("wrappers", "sparse", lambda: ddpcomm.all_reduce(torch.ones(3).to_sparse()), TypeError,
+     "dense"),
+    ("wrappers", "op max", lambda: ddpcomm.all_reduce(_X, op="max"), ValueError, "op must be"),
+    ("wrappers", "op int", lambda: ddpcomm.all_reduce(_X, op=3), TypeError, "op must be"),
+    ("wrappers", "MAX lossy", lambda: ddpcomm.all_reduce(_X, "q8", op=dist.ReduceOp.MAX),
+     ValueError, "not supported by lossy"),
+    ("wrappers", "spec", lambda: ddpcomm.all_reduce(_X, "q3"), ValueError, "known methods"),
+    ("wrappers", "compression int", lambda: ddpcomm.all_reduce(_X, 8), TypeError, "compression"),
+    ("wrappers", "EF object", lambda: ddpcomm.all_reduce(_X, Quantizer(2)), ValueError,
+     "error_feedback on"),
+    ("wrappers", "async str", lambda: ddpcomm.all_reduce(_X, async_op="y"), TypeError, "async_op"),
+    ("wrappers", "group str", lambda: ddpcomm.all_reduce(_X, group="w"), TypeError, "group must"),
+    ("wrappers", "tensor not list", lambda: ddpcomm.all_reduce_coalesced(_X), TypeError, "list"),
+    ("wrappers", "entry str", lambda: ddpcomm.all_reduce_coalesced([_X, "g"]), TypeError,
+     r"tensors\[1\]"),
+    ("wrappers", "mixed devices", lambda: ddpcomm.all_reduce_coalesced([_X, _meta()]),
+     ValueError, r"tensors\[1\] is on meta"),
+    ("wrappers", "int in q8 list", lambda: ddpcomm.all_reduce_coalesced(
+        [_X, torch.arange(3)], "q8"), TypeError, r"tensors\[1\] has dtype"),
+    ("wrappers", "shared memory", lambda: ddpcomm.all_reduce_coalesced([_X, _X[1:3]], op="sum"),
+     ValueError, "share memory"),
+]  # fmt: skip
+
+# The count per category may only grow.
+EXPECTED_AT_LEAST = {
+    "spec": 19,
+    "quantizer": 14,
+    "sparse": 10,
+    "state": 9,
+    "state_dict": 12,
+    "hooks": 5,
+    "env": 4,
+    "wrappers": 27,
+}
+
+
+def _check(rows):
+    failures = []
+    for category, label, call, exc, match in rows:
+        try:
+            with pytest.raises(exc, match=match):
+                call()
+        except BaseException as failure:  # noqa: BLE001 - collected, reported together
+            failures.append(f"{category}/{label}: {failure}")
+    return failures
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()
+
+
+def test_bad_inputs_without_a_group():
+    assert not dist.is_initialized()
+    assert _check(ROWS) == []
+
+
+def test_bad_inputs_on_a_group(one_rank_group):
+    assert _check(GROUP_ROWS) == []
+
+
+def test_count_only_grows():
+    counts = Counter(category for category, *_ in ROWS + GROUP_ROWS)
+    print(dict(counts), "total", sum(counts.values()))
+    for category, least in EXPECTED_AT_LEAST.items():
+        assert counts[category] >= least, (category, counts[category], least)
+
+
+def test_numpy_integers_are_integers():
+    q = Quantizer(np.int64(4), block_size=np.int32(128), seed=np.uint8(3))
+    assert (q.bits, q.block_size, q.seed) == (4, 128, 3) and type(q.bits) is int
+    assert not q.error_feedback and type(q.error_feedback) is bool
+    assert TopK(np.float32(0.5)).ratio == 0.5
+
+
+def test_loaded_before_init_checked_at_first_hook_call(one_rank_group, monkeypatch):
+    """A state_dict loaded before init_process_group is checked at the first hook call."""
+    from ddpcomm import checkpoint
+
+    sd = {**_GOOD_SD, "rank": 1, "world_size": 2}
+    sd["memory"] = {"buffers": {("q", 0): torch.zeros(4)}, "signatures": {("q", 0): ()}}
+    state = ddpcomm.QuantizeState(4, error_feedback=True)
+    with monkeypatch.context() as m:  # as before init_process_group
+        m.setattr(checkpoint, "group_position", lambda pg: (None, None))
+        state.load_state_dict(sd)  # nothing to compare with yet
+    with pytest.raises(ValueError, match="saved by 2 ranks and this run has 1"):
+        ddpcomm.quantize_hook(state, _Bucket(torch.ones(4), [torch.ones(4)]))
+
+
+def test_topk_float16_values_overflow_to_non_finite(one_rank_group):
+    """Documented: value_dtype=float16 carries |values| up to 65504. A larger selected
+    value goes on the wire as inf: the output is non-finite on every rank (AMP's
+    GradScaler skips the step) and the residual is reset, not poisoned. bfloat16 has
+    float32's range at the same size."""
+    memory = ResidualMemory()
+    x = torch.zeros(1000)
+    x[3] = 1e5
+    c = TopK(0.01, value_dtype=torch.float16)
+    out = collectives.all_reduce_mean(x.clone(), c, ReduceContext(memory=memory)).wait()
+    assert not bool(out[3].isfinite())
+    assert all(bool((b == 0).all()) for b in memory.buffers.values())
+    c = TopK(0.01, value_dtype=torch.bfloat16)
+    out = collectives.all_reduce_mean(x.clone(), c, ReduceContext(memory=ResidualMemory())).wait()
+    assert bool(out.isfinite().all())
