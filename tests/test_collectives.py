@@ -1,246 +1,427 @@
-"""Quantized all-reduce on spawned gloo groups: equivalence with the exact mean, bitwise
-agreement across ranks, exact constants, the error-feedback invariant, non-finite input,
-configuration mismatch and collective order under out-of-order completion."""
+"""collectives.all_reduce_mean for every method: the result of a reduction.
 
-import math
+On spawned groups of 1 to 4 ranks (tests/collective_utils.py): device "cpu" reduces CPU
+tensors over gloo; device "cuda" reduces CUDA tensors over gloo with every rank on GPU 0,
+and at one rank over NCCL too, and proves that CUDA gives the CPU's bits. Each group is
+spawned once and runs every check below (tests/spawn_plan.py); each test reads its own.
+
+"Correct" (DESIGN.md §6.3): ``none`` is bitwise the plain all_reduce and casts bitwise the
+all_reduce of the cast tensor; quantizers stay within their analytic bound of the exact
+mean; top-k and random-k equal the all_reduce of what each rank selected; every rank gets
+bitwise the same result; constants reduce exactly. Error feedback, non-finite input,
+configuration mismatch and CUDA stream behaviour: test_collectives_reliability.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from ddpcomm import collectives, compressors, context, reference
+import ddpcomm
+import ddpcomm.ops as ops
+import ddpcomm.reference as ref
+from ddpcomm import collectives, compressors
+from ddpcomm.compressors import RandomK, TopK, dense_bytes
 from ddpcomm.context import ReduceContext, ResidualMemory
-from tests.dist_utils import run_ranks
+from tests.collective_utils import (
+    ALGORITHMS,
+    BLOCK,
+    CUDA_ONLY,
+    N,
+    Rank,
+    assert_same_on_every_rank,
+    gather_rows,
+    per_group,
+    quantization_error_bound,
+    quantizer,
+    rank_input,
+)
+from tests.spawn_plan import Groups
 
-BLOCK = 64
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+# Tolerance for comparing against a sum the collective adds in its own order (N > 2):
+# a few ulps of the output dtype.
+RTOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
-
-def rank_input(rank: int, n: int, step: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
-
-
-def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Per-element absmax of the element's block."""
-    n = x.numel()
-    nb = math.ceil(n / block)
-    padded = torch.zeros(nb * block)
-    padded[:n] = x.abs()
-    return padded.view(nb, block).amax(1).repeat_interleave(block)[:n]
-
-
-def quantization_error_bound(
-    xs: list[torch.Tensor], bits: int, two_phase: bool, chunk: int
-) -> torch.Tensor:
-    """Analytic per-element bound on |result - exact mean| for deterministic rounding.
-
-    Each rank's quantization moves x by at most step/2 = m / (2L) (b >= 2) or by at most
-    |x| + m (1-bit: sign times block mean |x|). The result is the mean of the dequantized
-    payloads; two-phase re-quantizes that mean, adding its own bound on blocks laid out
-    from each chunk's start. The small relative slack covers fp32 rounding of sums.
-    """
-    world = len(xs)
-
-    def one(x, block_start_offset=0):
-        if bits == 1:
-            # m <= block absmax, so |x - deq| <= |x| + absmax.
-            return x.abs() + block_absmax(x, BLOCK)
-        return block_absmax(x, BLOCK) / (2 * reference.max_level(bits))
-
-    bound = sum(one(x) for x in xs) / world
-    if two_phase:
-        mean_bound = torch.stack(xs).mean(0).abs() + bound
-        # The re-quantized tensor's blocks start at chunk boundaries, which are block
-        # aligned, so block_absmax over the whole tensor gives the same blocks.
-        bound = bound + one(mean_bound)
-    return bound * (1 + 1e-5) + 1e-30
+# One step of every method, without error feedback: the result is a function of the inputs.
+METHODS = {
+    "none": ("none", {}),
+    "fp16": ("fp16", {}),
+    "bf16": ("bf16", {}),
+    **{
+        f"q{b}-{a}": quantizer(b, a, error_feedback=False) for b in (8, 4, 2, 1) for a in ALGORITHMS
+    },
+    "topk": ("topk:0.01", dict(error_feedback=False)),
+    "randk": ("randk:0.01", dict(seed=7, error_feedback=False)),
+}
+QUANTIZERS = [m for m in METHODS if m.startswith("q")]
+SPARSE = ["topk", "randk"]
+# The all-gather algorithm's payload split into pieces on gloo.
+PIECES = {
+    "q8-stochastic": quantizer(8, "all_gather", stochastic=True, error_feedback=True),
+    "q8": quantizer(8, "all_gather", error_feedback=True),
+    "q1": quantizer(1, "all_gather", error_feedback=True),
+}
 
 
-def _results_identical(t: torch.Tensor, world: int) -> bool:
-    every = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(every, t)
-    return all(torch.equal(every[0], e) for e in every)
+def assert_equal_or_close(got, want, world):
+    """Bitwise when at most two terms are added (order cannot matter), else a few ulps."""
+    if world <= 2:
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    else:
+        torch.testing.assert_close(got, want, rtol=RTOL[got.dtype], atol=1e-6)
 
 
-def _reduce(x, comp, memory=None, key=0, step=0):
-    ctx = ReduceContext(memory=memory or ResidualMemory(), key=key, step=step)
-    return collectives.all_reduce_mean(x.clone(), comp, ctx).wait(), ctx
+def cast_reference(r: Rank, c: compressors.CastCompression, x: torch.Tensor) -> torch.Tensor:
+    """torch's fp16 hook: cast, divide by N, all_reduce in 16 bits, cast back."""
+    return r.all_reduce(r.put(x).to(c.dtype).div_(r.world)).float().cpu()
 
 
-def check_equivalence(rank, world):
-    n = 5 * BLOCK * world + 13  # uneven chunks, a partial last block
-    xs = [rank_input(r, n) for r in range(world)]
+def expected_path(c, n: int, world: int) -> str:
+    if isinstance(c, compressors.Quantizer):
+        return f"q_{c.resolve_algorithm(world)}"
+    if isinstance(c, TopK):
+        return "topk_dense" if c.use_dense(n, world) else "topk_all_gather"
+    if isinstance(c, RandomK):
+        return "randk_all_reduce"
+    return c.spec if c.lossy else "plain"
+
+
+# --------------------------------------------------------------------------------------
+# Checks (run in the spawned ranks)
+# --------------------------------------------------------------------------------------
+
+
+def check_mean(r: Rank, c) -> None:
+    """Within the method's bound of the exact mean, the same on every rank, the bytes that
+    stats() promises; fp16/bf16 buckets come back in their dtype."""
+    xs = [rank_input(i, N) for i in range(r.world)]
     exact = torch.stack(xs).mean(0)
-
-    # none: bitwise the plain all_reduce of x * (1/N), as DDP scales buckets.
-    out, _ = _reduce(xs[rank], compressors.NoCompression())
-    want = xs[rank] * (1.0 / world)
-    dist.all_reduce(want)
-    assert torch.equal(out, want)
-
-    for bits in (8, 4, 2, 1):
-        for algorithm in ("all_gather", "two_phase"):
-            q = compressors.Quantizer(bits, BLOCK, error_feedback=False, algorithm=algorithm)
-            out, _ = _reduce(xs[rank], q)
-            assert out.dtype == torch.float32 and out.shape == (n,)
-            assert _results_identical(out, world), (bits, algorithm)
-            bound = quantization_error_bound(
-                xs, bits, algorithm == "two_phase", q.chunk_numel(n, world)
-            )
+    x = xs[r.rank]
+    eight_bit = isinstance(c, compressors.Quantizer) and c.bits == 8
+    for dtype in FLOATS if isinstance(c, (TopK, RandomK)) or eight_bit else FLOATS[:1]:
+        out, ctx = r.reduce(x.to(dtype), c, key=5, step=2)
+        assert out.dtype == dtype and out.shape == (N,)
+        assert_same_on_every_rank(out, r.world)
+        assert ctx.stats.paths == {expected_path(c, N, r.world): 1}
+        assert ctx.stats.bytes_sent == c.wire_bytes(N, r.world, r.rank)
+        assert ctx.stats.dense_bytes == dense_bytes(N, r.world, out.element_size())
+        if isinstance(c, compressors.NoCompression):
+            # Scaled by 1/N before the sum, as DDP's reducer does: bitwise that all_reduce.
+            assert torch.equal(out, r.all_reduce(r.put(x).mul_(1.0 / r.world)).cpu())
+        elif isinstance(c, compressors.CastCompression):
+            assert torch.equal(out, cast_reference(r, c, x))
+            # Two roundings per rank (cast, divide), one per addition; plus the absolute
+            # error of a float16 subnormal at each.
+            u, tiny = (2.0**-11, 2.0**-24) if c.dtype == torch.float16 else (2.0**-8, 1e-30)
+            mean_abs = torch.stack(xs).abs().mean(0)
+            bound = (r.world + 2) * (u * mean_abs * (1 + 1e-3) + tiny)
+            assert bool(((out - exact).abs() <= bound).all())
+        elif isinstance(c, compressors.Quantizer) and dtype == torch.float32:
+            two_phase = c.resolve_algorithm(r.world) == "two_phase"
+            bound = quantization_error_bound(xs, c.bits, two_phase, c.chunk_numel(N, r.world))
             err = (out - exact).abs()
-            assert bool((err <= bound).all()), (bits, algorithm, float((err - bound).max()))
-
+            assert bool((err <= bound).all()), float((err - bound).max())
+        elif isinstance(c, compressors.Quantizer):
+            tol = 0.05 * float(exact.abs().max())
+            torch.testing.assert_close(out.float(), exact, rtol=0.05, atol=tol)
+        elif isinstance(c, TopK):
+            # Exact mode is a function of the input alone: rebuild every rank's payload here.
+            k = c.k(N)
+            payload = ops.topk_compress(x.to(dtype), None, k)
+            rows = gather_rows(payload, r.world)
+            want = ref.sparse_accumulate(rows, N, k, r.world, torch.float32, dtype)
+            assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+            # ... and equals a plain all_reduce of each rank's selected (sparse) tensor.
+            sparse = torch.zeros(N)
+            idx = payload[: 4 * k].view(torch.int32).long()
+            sparse[idx] = x.to(dtype).float()[idx]
+            dist.all_reduce(sparse)
+            assert_equal_or_close(out, (sparse / r.world).to(dtype), r.world)
+        else:
+            values = ref.randk_compress(x.to(dtype), None, c.k(N), c.seed, 2, 5)
+            dist.all_reduce(values)
+            want = ref.randk_decompress(values, N, c.seed, 2, 5, r.world, dtype)
+            assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
     # Dispatch is by isinstance: a subclass of a method runs that method's algorithm.
-    class Subclass(compressors.Quantizer):
-        __slots__ = ()
-
-    assert torch.equal(
-        _reduce(xs[rank], Subclass(4, BLOCK))[0],
-        _reduce(xs[rank], compressors.Quantizer(4, BLOCK))[0],
-    )
-
-    # fp16 / bf16 buckets come back in their dtype, identical everywhere.
-    for dtype in (torch.float16, torch.bfloat16):
-        q = compressors.Quantizer(8, BLOCK)
-        out, _ = _reduce(xs[rank].to(dtype), q)
-        assert out.dtype == dtype and _results_identical(out, world)
-        tol = 0.05 * float(exact.abs().max())
-        torch.testing.assert_close(out.float(), exact, rtol=0.05, atol=tol)
-    return True
+    sub = copy.copy(c)
+    sub.__class__ = type("Subclass", (type(c),), {"__slots__": ()})
+    assert torch.equal(r.reduce(x, sub)[0], r.reduce(x, c)[0])
 
 
-def check_pieces(rank, world):
-    # On gloo the all-gather algorithm sends large payloads as several all_gathers; the
-    # result must not depend on how many: force many small pieces, compare bitwise.
-    n = 40 * BLOCK + 3
-    x = rank_input(rank, n)
-    for bits, stochastic in ((8, True), (8, False), (1, False)):
-        q = compressors.Quantizer(
-            bits, BLOCK, stochastic=stochastic, error_feedback=True, algorithm="all_gather"
-        )
-        whole, _ = _reduce(x, q)
-        saved = collectives._GLOO_PIECE_BYTES
-        collectives._GLOO_PIECE_BYTES = 3 * (4 + BLOCK * bits // 8)
-        try:
-            assert len(collectives._pieces(41, 4 + BLOCK * bits // 8, dist.group.WORLD)) == 13
-            pieces, _ = _reduce(x, q)
-        finally:
-            collectives._GLOO_PIECE_BYTES = saved
-        assert torch.equal(whole, pieces), (bits, stochastic)
-    return True
-
-
-def check_constants(rank, world):
+def check_constants(r: Rank, c) -> None:
     # Dyadic constants: every sum and mean below is exact in fp32, so any error would be
     # the quantizer's. Constant blocks must round-trip losslessly at every bit width.
-    n = 3 * BLOCK * world + 5
-    x = torch.full((n,), 0.25 * (rank + 1))
-    exact = torch.full((n,), 0.25 * sum(r + 1 for r in range(world)) / world)
-    for bits in (8, 4, 2, 1):
-        for algorithm in ("all_gather", "two_phase"):
-            q = compressors.Quantizer(bits, BLOCK, algorithm=algorithm)
-            out, _ = _reduce(x, q)
-            assert torch.equal(out, exact), (bits, algorithm)
-    return True
+    n = 3 * BLOCK * r.world + 5
+    x = torch.full((n,), 0.25 * (r.rank + 1))
+    exact = torch.full((n,), 0.25 * sum(i + 1 for i in range(r.world)) / r.world)
+    assert torch.equal(r.reduce(x, c)[0], exact)
 
 
-def check_error_feedback_invariant(rank, world):
-    # N * sum_t out_t + sum over ranks of residuals = sum_t sum over ranks of x_t.
-    n, steps = 4 * BLOCK * world + 29, 5
-    for algorithm in ("all_gather", "two_phase"):
-        q = compressors.Quantizer(2, BLOCK, error_feedback=True, algorithm=algorithm)
-        memory = ResidualMemory()
-        total_out = torch.zeros(n, dtype=torch.float64)
-        total_in = torch.zeros(n, dtype=torch.float64)
-        for step in range(steps):
-            xs = [rank_input(r, n, step) for r in range(world)]
-            total_in += torch.stack(xs).double().sum(0)
-            out, _ = _reduce(xs[rank], q, memory, key=7, step=step)
-            total_out += out.double()
-        residual = memory.buffers[("q", 7)].double().clone()
-        owner = memory.buffers.get(("q_owner", 7))
-        if owner is not None:
-            chunk = q.chunk_numel(n, world)
-            residual[rank * chunk : rank * chunk + owner.numel()] += owner.double()
-        dist.all_reduce(residual)
-        lhs = world * total_out + residual
-        scale = float(total_in.abs().max())
-        assert float((lhs - total_in).abs().max()) <= 1e-5 * scale, algorithm
-        # The invariant is not trivially true: without the residuals it fails.
-        assert float((world * total_out - total_in).abs().max()) > 1e-3 * scale
-    return True
+def check_empty_and_tiny(r: Rank, c) -> None:
+    out, ctx = r.reduce(torch.empty(0), c)
+    assert out.numel() == 0
+    # Nothing to send for a method with its own algorithm: no collective at all.
+    plain = isinstance(c, (compressors.NoCompression, compressors.CastCompression))
+    assert ctx.stats.paths == {expected_path(c, 0, r.world) if plain else "empty": 1}
+    one = torch.tensor([float(r.rank + 1)])
+    out, _ = r.reduce(one, c)  # one block, one chunk; top-k and random-k: k = 1 = n
+    if isinstance(c, compressors.CastCompression):
+        assert torch.equal(out, cast_reference(r, c, one))
+    else:
+        assert out.item() == sum(range(1, r.world + 1)) / r.world
 
 
-def check_non_finite(rank, world):
-    n = 4 * BLOCK * world
-    bad_rank = world - 1
-    for bits in (8, 1):
-        for algorithm in ("all_gather", "two_phase"):
-            q = compressors.Quantizer(bits, BLOCK, error_feedback=True, algorithm=algorithm)
-            memory = ResidualMemory()
-            _reduce(rank_input(rank, n), q, memory, key=3)  # a finite step fills the residual
-            x = rank_input(rank, n, 1)
-            if rank == bad_rank:
-                x[5] = float("nan")
-                x[n - 2] = float("inf")
-            out, _ = _reduce(x, q, memory, key=3)
-            assert not bool(out[5].isfinite()) and not bool(out[n - 2].isfinite())
-            assert _results_identical(out.nan_to_num(1.0, 2.0, 3.0), world)
-            for buf in memory.buffers.values():
-                assert bool((buf == 0).all()), "residual must be reset after a non-finite step"
-            out, _ = _reduce(rank_input(rank, n, 2), q, memory, key=3)
-            assert bool(out.isfinite().all())
-    return True
+def check_ratio_one(r: Rank, c) -> None:
+    # Ratio 1.0 sends everything: the very all_reduce of x that plain DDP would do (sum,
+    # then / N), bit for bit.
+    x = rank_input(r.rank, N)
+    want = r.all_reduce(r.put(x)).div_(r.world).cpu()
+    assert torch.equal(r.reduce(x, type(c)(1.0))[0], want)
 
 
-def check_config_mismatch(rank, world):
-    messages = []
-    for config, numel in (((f"q{8 >> rank}",), 10), (("q8",), 10 + rank)):
-        try:
-            context.verify_config(config, numel, None, "cpu")
-        except ValueError as exc:
-            messages.append(str(exc))
-    context.verify_config(("q8",), 10, None, "cpu")  # agreement passes
-    return messages
+def check_pieces(r: Rank, q) -> None:
+    # On gloo the all-gather algorithm sends large payloads as several all_gathers; the
+    # result must not depend on how many: force many small pieces, compare bitwise.
+    x = rank_input(r.rank, 40 * BLOCK + 3)
+    whole, _ = r.reduce(x, q)
+    saved = collectives._GLOO_PIECE_BYTES
+    collectives._GLOO_PIECE_BYTES = 3 * q.record_bytes
+    try:
+        assert len(collectives._pieces(41, q.record_bytes, dist.group.WORLD)) == 13
+        pieces, _ = r.reduce(x, q)
+    finally:
+        collectives._GLOO_PIECE_BYTES = saved
+    assert torch.equal(whole, pieces)
 
 
-def check_out_of_order_completion(rank, world):
-    # Many buckets in flight at once, waited for in reverse order: gloo completes them in
-    # different orders on different ranks, and phase 2 must still pair by bucket.
-    sizes = [BLOCK * world * k + (7 * k) % 50 for k in range(1, 16)]
-    q = compressors.Quantizer(4, BLOCK, algorithm="two_phase", error_feedback=True)
-    memory = ResidualMemory()
-    xs = [rank_input(rank, s, k) for k, s in enumerate(sizes)]
-    futs = [
-        collectives.all_reduce_mean(x.clone(), q, ReduceContext(memory=memory, key=k))
-        for k, x in enumerate(xs)
-    ]
-    outs = [f.wait() for f in reversed(futs)][::-1]
-    for k, (s, out) in enumerate(zip(sizes, outs, strict=True)):
-        assert out.numel() == s
-        everyone = [rank_input(r, s, k) for r in range(world)]
-        bound = quantization_error_bound(everyone, 4, True, q.chunk_numel(s, world))
-        assert bool(((out - torch.stack(everyone).mean(0)).abs() <= bound).all()), k
-        assert _results_identical(out, world)
-    return True
+class ForceSparse(TopK):
+    """Top-k that never takes the dense switch, to compare the two paths."""
+
+    __slots__ = ()
+
+    def use_dense(self, numel, world):
+        return False
 
 
-def all_checks(rank, world):
-    check_equivalence(rank, world)
-    check_pieces(rank, world)
-    check_constants(rank, world)
-    check_error_feedback_invariant(rank, world)
-    check_non_finite(rank, world)
-    check_out_of_order_completion(rank, world)
-    return check_config_mismatch(rank, world)
+def check_dense_switch(r: Rank, c) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        x = rank_input(r.rank, N).to(dtype)
+        assert c.use_dense(N, r.world)
+        dense, dense_ctx = r.reduce(x, c)
+        sparse, sparse_ctx = r.reduce(x, ForceSparse(c.ratio, error_feedback=False))
+        assert dense_ctx.stats.paths == {"topk_dense": 1}
+        assert sparse_ctx.stats.paths == {"topk_all_gather": 1}
+        assert dense_ctx.stats.bytes_sent < sparse_ctx.stats.bytes_sent or r.world == 1
+        assert_same_on_every_rank(dense, r.world)
+        assert_equal_or_close(dense, sparse, r.world)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_quantized_all_reduce(world):
-    messages = run_ranks(all_checks, world)
-    for rank, msgs in enumerate(messages):
-        if world == 1:
-            assert msgs == []
-        else:
-            assert len(msgs) == 2, f"rank {rank} did not see every mismatch: {msgs}"
-            assert all("ranks disagree on the compression configuration" in m for m in msgs)
+def check_wrapper(r: Rank, c) -> None:
+    """ddpcomm.all_reduce outside DDP: exact top-k is a function of the inputs alone."""
+    x = rank_input(r.rank, N, 4)
+    y = r.put(x)
+    ddpcomm.all_reduce(y, compression=c.spec, group=r.group)
+    y, k = y.cpu(), c.k(N)
+    if isinstance(c, TopK):
+        rows = gather_rows(ops.topk_compress(x, None, k), r.world)
+        assert torch.equal(y, ref.sparse_accumulate(rows, N, k, r.world, *[torch.float32] * 2))
+    else:
+        assert_same_on_every_rank(y, r.world)
+        assert int(torch.count_nonzero(y)) <= k
+
+
+# --------------------------------------------------------------------------------------
+# CUDA gives the CPU's bits: gloo with 2 ranks sharing one GPU, NCCL with 1
+# --------------------------------------------------------------------------------------
+
+STEPS = 3
+# (spec, options): every bit width, both algorithms, error feedback, stochastic rounding;
+# top-k (exact, approximate with fp16 values) and random-k with error feedback.
+CONFIGS = [
+    ("q8", dict(algorithm="all_gather")),
+    ("q8", dict(algorithm="two_phase", error_feedback=True)),
+    ("q4", dict(algorithm="two_phase", stochastic=True, error_feedback=True, seed=3)),
+    ("q2", dict(block_size=64)),
+    ("q1", dict(block_size=1024, algorithm="all_gather")),
+    ("topk:0.05", dict()),
+    ("topk:0.05", dict(approximate=True, value_dtype=torch.float16)),
+    ("randk:0.05", dict(seed=5)),
+]
+
+
+def _compare_devices(rank: int, cuda_group, cpu_group) -> list[str]:
+    """Runs every config on CUDA tensors over cuda_group and on CPU tensors over cpu_group;
+    returns a description of every mismatch (empty when bitwise equal)."""
+    torch.cuda.set_device(0)
+    bad = []
+    n = 3 * 4096 + 77  # several blocks and chunks, a partial last block
+    for spec, opts in CONFIGS:
+        comp = compressors.parse(spec, **opts)
+        mem_cpu, mem_gpu = ResidualMemory(), ResidualMemory()
+        for step in range(STEPS):
+            x = rank_input(rank, n, step)
+            ctx_cpu = ReduceContext(group=cpu_group, memory=mem_cpu, key=0, step=step)
+            ctx_gpu = ReduceContext(group=cuda_group, memory=mem_gpu, key=0, step=step)
+            want = collectives.all_reduce_mean(x.clone(), comp, ctx_cpu).wait()
+            got = collectives.all_reduce_mean(x.cuda(), comp, ctx_gpu).wait()
+            torch.cuda.synchronize()
+            if not got.is_cuda or not torch.equal(got.cpu(), want):
+                bad.append(f"{spec} {opts} step {step}: result differs")
+            for key, buf in mem_cpu.buffers.items():
+                other = mem_gpu.buffers.get(key)
+                if other is None or not torch.equal(other.cpu(), buf):
+                    bad.append(f"{spec} {opts} step {step}: residual {key} differs")
+    return bad
+
+
+def check_gloo(rank, world):
+    return _compare_devices(rank, None, None)
+
+
+def check_nccl(rank, world):
+    nccl = dist.new_group(backend="nccl")
+    try:
+        return _compare_devices(rank, nccl, None)
+    finally:
+        dist.destroy_process_group(nccl)
+
+
+def check_coalesced(rank, world):
+    # all_reduce_coalesced flattens with the native flatten ops (CUDA ones here): CUDA
+    # tensors must end bitwise where the same call leaves CPU tensors.
+    torch.cuda.set_device(0)
+    g = torch.Generator().manual_seed(rank)
+    shapes = [(3, 5), (1000,), (7, 11, 13), (1,), (4097,)]
+    bad = []
+    for compression in ("none", "q8", "q4", "fp16"):
+        cpu = [torch.randn(s, generator=g) for s in shapes]
+        cpu.append(torch.randn(9, 6, generator=g).t())  # a strided entry
+        gpu = [t.cuda() for t in cpu]
+        ddpcomm.all_reduce_coalesced(cpu, compression=compression)
+        ddpcomm.all_reduce_coalesced(gpu, compression=compression)
+        if not all(torch.equal(a, b.cpu()) for a, b in zip(cpu, gpu, strict=True)):
+            bad.append(compression)
+    return bad
+
+
+# --------------------------------------------------------------------------------------
+# The plan every rank of a group runs, and the tests reading it
+# --------------------------------------------------------------------------------------
+
+# (check, the methods it runs for, function), in the order every rank runs them.
+CHECKS = [
+    ("mean", METHODS, check_mean),
+    ("constants", {m: METHODS[m] for m in QUANTIZERS}, check_constants),
+    ("empty_and_tiny", METHODS, check_empty_and_tiny),
+    ("ratio_one", {m: METHODS[m] for m in SPARSE}, check_ratio_one),
+    ("pieces", PIECES, check_pieces),
+    ("dense_switch", {"topk:0.6": ("topk:0.6", dict(error_feedback=False))}, check_dense_switch),
+    ("wrapper", {m: METHODS[m] for m in SPARSE}, check_wrapper),
+]
+
+
+def run_check(check, r: Rank, spec: str, options: dict) -> None:
+    check(r, compressors.parse(spec, **options))
+
+
+def nothing_differs(compare, *args) -> None:
+    bad = compare(*args)
+    assert bad == [], f"CUDA differs from CPU: {bad}"
+
+
+def plan(rank: int, world: int, device: str):
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    for r, suffix in Rank(rank, world, device).groups():
+        for name, methods, check in CHECKS:
+            for method, (spec, options) in methods.items():
+                key = (name, method, *suffix)
+                yield key, functools.partial(run_check, check, r, spec, options)
+    if device == "cuda" and world == 1:
+        yield ("cuda_matches_cpu", "nccl"), functools.partial(nothing_differs, check_nccl, 0, 1)
+    if device == "cuda" and world == 2:
+        compare = functools.partial(nothing_differs, check_gloo, rank, world)
+        yield ("cuda_matches_cpu", "gloo"), compare
+        yield ("coalesced_matches_cpu",), functools.partial(check_coalesced, rank, world)
+
+
+@pytest.fixture(scope="module")
+def groups():
+    return Groups(plan)
+
+
+@per_group
+@pytest.mark.parametrize("method", METHODS)
+def test_mean_within_method_bound(groups, method, world, device):
+    """none and casts: bitwise their definition; quantizers: within the analytic bound;
+    top-k and random-k: the all_reduce of what each rank selected. Every rank gets the same
+    bits, stats() counts the method's wire bytes, a subclass runs its base's algorithm."""
+    groups.values(world, device, "mean", method)
+
+
+@per_group
+@pytest.mark.parametrize("method", QUANTIZERS)
+def test_constants_reduce_exactly(groups, method, world, device):
+    groups.values(world, device, "constants", method)
+
+
+@per_group
+@pytest.mark.parametrize("method", METHODS)
+def test_empty_and_one_element(groups, method, world, device):
+    groups.values(world, device, "empty_and_tiny", method)
+
+
+@per_group
+@pytest.mark.parametrize("method", SPARSE)
+def test_ratio_one_is_the_plain_all_reduce(groups, method, world, device):
+    groups.values(world, device, "ratio_one", method)
+
+
+@per_group
+@pytest.mark.parametrize("method", PIECES)
+def test_all_gather_pieces_do_not_change_the_result(groups, method, world, device):
+    groups.values(world, device, "pieces", method)
+
+
+@per_group
+def test_topk_dense_switch_same_numbers_fewer_bytes(groups, world, device):
+    groups.values(world, device, "dense_switch", "topk:0.6")
+
+
+@per_group
+@pytest.mark.parametrize("method", SPARSE)
+def test_ddpcomm_all_reduce(groups, method, world, device):
+    groups.values(world, device, "wrapper", method)
+
+
+@pytest.mark.parametrize("device", CUDA_ONLY)
+@pytest.mark.parametrize("world, backend", [(2, "gloo"), (1, "nccl")])
+def test_cuda_gives_the_cpu_bits(groups, world, backend, device):
+    """The CUDA ops give the CPU ops' bits and the algorithms are deterministic, so a
+    compressed all-reduce of CUDA tensors gives bitwise the result (and error-feedback
+    residuals) of the same all-reduce of CPU tensors, step after step."""
+    groups.values(world, device, "cuda_matches_cpu", backend)
+
+
+@pytest.mark.parametrize("device", CUDA_ONLY)
+def test_all_reduce_coalesced_cuda_gives_the_cpu_bits(groups, device):
+    for rank, bad in enumerate(groups.values(2, device, "coalesced_matches_cpu")):
+        assert bad == [], f"rank {rank}: CUDA differs from CPU for {bad}"
+
+
+def test_wire_bytes_and_dense_switch_rule():
+    n = 1 << 20
+    topk, randk = compressors.parse("topk:0.01"), compressors.parse("randk:0.01")
+    k = topk.k(n)
+    for world in (2, 3, 4):
+        assert topk.wire_bytes(n, world) == (world - 1) * k * 8
+        assert randk.wire_bytes(n, world) == 2 * (world - 1) * k * 4 // world
+    # N * k * 8 > 2(N-1)/N * 4n  <=>  ratio > (N-1) / N^2 at fp32 values.
+    parse = compressors.parse
+    assert not parse("topk:0.24").use_dense(n, 2) and parse("topk:0.26").use_dense(n, 2)
+    assert parse("topk:0.3", value_dtype=torch.float16).use_dense(n, 2) is False

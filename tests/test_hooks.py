@@ -1,119 +1,151 @@
-"""quantize_hook / allreduce_hook under real DDP on spawned gloo groups: parity with DDP's
-default, bitwise-identical replicas, many small buckets (collective order), state=None,
-two models, checkpoint/resume and pickling, and bad arguments."""
+"""Every hook under real DDP on spawned gloo groups: parity with DDP's default, bitwise
+identical replicas, many small buckets (collective order), start_iter / min_numel,
+state=None and two models, checkpoint/resume, a non-finite step, ranks configured
+differently, torch.compile; with a GPU, parity of a CUDA model too.
 
+Each (world size, device) group is spawned once and trains every run below
+(tests/spawn_plan.py); each test reads its own. State objects and arguments without a
+process group: test_hook_states.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
 import io
+import math
 import pickle
+from collections.abc import Callable
+from typing import NamedTuple
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpcomm
-from tests.dist_utils import run_ranks
-
-STEPS = 50
-
-
-def make_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8)
-    )
-
-
-def batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(7919 * step + rank)
-    x = torch.randn(32, 32, generator=g)
-    # A fixed teacher so the loss actually decreases.
-    y = torch.sin(x[:, :8] * 2.0) + 0.1 * x[:, 8:16]
-    return x, y
+from tests.cuda_utils import needs_cuda
+from tests.ddp_utils import (
+    DEEP,
+    SHALLOW,
+    Recipe,
+    fixed_teacher,
+    flat_params,
+    held_out_loss,
+    identical_across_ranks,
+    make_deep_model,
+    make_model,
+    make_teacher,
+    train,
+)
+from tests.spawn_plan import Groups
 
 
-def train(rank, state, hook, steps=STEPS, bucket_cap_mb=0.01, model=None, start=0):
-    model = model or make_model()
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
-    if hook is not None:
-        ddp.register_comm_hook(state, hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    losses = []
-    for step in range(start, start + steps):
-        x, y = batch(rank, step)
-        loss = nn.functional.mse_loss(ddp(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
-    return model, losses
+class Case(NamedTuple):
+    recipe: Recipe
+    state: Callable | None  # builds the state; None registers the hook with state=None
+    hook: Callable
+    bound: float  # see test_ddp_parity_with_default
 
 
-def flat_params(model):
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
+PARITY = {
+    "q8": Case(SHALLOW, lambda: ddpcomm.QuantizeState(bits=8), ddpcomm.quantize_hook, 0.01),
+    "q4-ef": Case(
+        SHALLOW,
+        lambda: ddpcomm.QuantizeState(bits=4, error_feedback=True),
+        ddpcomm.quantize_hook,
+        0.05,
+    ),
+    "q8-state-none": Case(SHALLOW, None, ddpcomm.quantize_hook, 0.01),
+    "q4-ef-spec": Case(
+        SHALLOW,
+        lambda: ddpcomm.CompressionState("q4", error_feedback=True),
+        ddpcomm.compress_hook,
+        0.05,
+    ),
+    "q8-spec-state-none": Case(SHALLOW, None, ddpcomm.compress_hook, 0.01),
+    "topk": Case(DEEP, lambda: ddpcomm.TopKState(0.1), ddpcomm.topk_hook, 0.9),
+    "randk": Case(DEEP, lambda: ddpcomm.RandomKState(0.3, seed=1), ddpcomm.randomk_hook, 0.9),
+}
+# One state, one hook: a spec string runs exactly what the named state runs.
+SPEC_TWINS = {"q4-ef-spec": "q4-ef", "q8-spec-state-none": "q8-state-none"}
+WORLDS = {SHALLOW: (2, 3), DEEP: (3,)}
+CUDA_WORLD = 2  # CUDA models: the shallow recipe, 2 ranks sharing GPU 0
+PATHS = {"q": "q_two_phase", "topk": "topk_all_gather", "randk": "randk_all_reduce"}
 
 
-def identical_across_ranks(t, world):
-    every = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(every, t)
-    return all(torch.equal(every[0], e) for e in every)
+class Runs:
+    """One rank's training runs, the default's shared by every case of its recipe."""
 
+    def __init__(self, rank: int, world: int, device: str) -> None:
+        self.rank, self.world, self.device = rank, world, device
+        self.params: dict[str, torch.Tensor] = {}
+        self.defaults: dict[Recipe, tuple] = {}
 
-def check_parity(rank, world):
-    ref_model, ref_losses = train(rank, None, None)
-    ref = flat_params(ref_model)
-    results = {}
+    def default(self, recipe: Recipe) -> tuple:
+        """DDP's default run: (parameters, last training loss, held-out loss)."""
+        if recipe not in self.defaults:
+            model, losses = train(self.rank, recipe, None, None, device=self.device)
+            self.defaults[recipe] = flat_params(model), losses[-1], held_out_loss(recipe, model)
+        return self.defaults[recipe]
 
-    # allreduce_hook is DDP's default reduction: bitwise the same parameters.
-    m, _ = train(rank, None, ddpcomm.allreduce_hook)
-    assert torch.equal(flat_params(m), ref)
-
-    params = {}
-    for name, state, hook in (
-        ("q8", ddpcomm.QuantizeState(bits=8), ddpcomm.quantize_hook),
-        ("q4ef", ddpcomm.QuantizeState(bits=4, error_feedback=True), ddpcomm.quantize_hook),
-        ("q8none", None, ddpcomm.quantize_hook),
-        ("q4ef_spec", ddpcomm.CompressionState("q4", error_feedback=True), ddpcomm.compress_hook),
-        ("q8_spec_none", None, ddpcomm.compress_hook),
-    ):
-        m, losses = train(rank, state, hook)
-        p = params[name] = flat_params(m)
-        assert identical_across_ranks(p, world), name
-        rel = float((p - ref).norm() / ref.norm())
-        results[name] = (rel, losses[-1], ref_losses[-1])
+    def parity(self, name: str) -> dict:
+        case = PARITY[name]
+        state = None if case.state is None else case.state()
+        model, losses = train(self.rank, case.recipe, state, case.hook, device=self.device)
+        p = self.params[name] = flat_params(model)
+        assert identical_across_ranks(p, self.world), "replicas differ"
+        ref, ref_loss, ref_held_out = self.default(case.recipe)
+        stats = None
         if state is not None:
-            s = state.stats()
-            assert s["paths"] and s["bytes_sent"] > 0 and s["dense_bytes"] > s["bytes_sent"]
-    # One state, one hook: a spec string runs exactly what the named state runs.
-    assert torch.equal(params["q4ef_spec"], params["q4ef"])
-    assert torch.equal(params["q8_spec_none"], params["q8none"])
-    return results
+            stats = state.stats()
+            assert stats["paths"] and 0 < stats["bytes_sent"] < stats["dense_bytes"]
+            stats = {k: stats[k] for k in ("paths", "bytes_sent", "dense_bytes")}
+        return dict(
+            rel=float((p - ref).norm() / ref.norm()),
+            loss=losses[-1],
+            ref_loss=ref_loss,
+            held_out=held_out_loss(case.recipe, model),
+            ref_held_out=ref_held_out,
+            start_held_out=held_out_loss(case.recipe, case.recipe.model()),
+            stats=stats,
+        )
+
+    def allreduce_hook_is_default(self) -> None:
+        # allreduce_hook is DDP's default reduction: bitwise the same parameters.
+        m, _ = train(self.rank, SHALLOW, None, ddpcomm.allreduce_hook, device=self.device)
+        assert torch.equal(flat_params(m), self.default(SHALLOW)[0])
+
+    def spec_twin(self, name: str) -> None:
+        assert torch.equal(self.params[name], self.params[SPEC_TWINS[name]])
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ddp_parity_with_default(world):
-    results = run_ranks(check_parity, world)[0]
-    for name, (rel, loss, ref_loss) in results.items():
-        # Bounds. q8 moves each gradient element by at most absmax/254 of its 256-element
-        # block per step (under 0.4% of the block's largest gradient), unbiased in sign on
-        # average; over 50 SGD steps the parameters stay within 1% (relative L2) of DDP's
-        # default. q4 with error feedback has steps 18x coarser, but error feedback
-        # re-injects what was dropped, so the trajectory stays within 5%. Loss within 5%
-        # of the default's final loss for both.
-        bound = 0.01 if name.startswith("q8") else 0.05
-        assert rel < bound, (name, rel)
-        assert abs(loss - ref_loss) <= 0.05 * ref_loss, (name, loss, ref_loss)
-        assert rel > 0, "a lossy hook that changes nothing is not compressing"
+def compressed_path(state, world: int) -> str:
+    c = state.compressor
+    if isinstance(c, ddpcomm.compressors.Quantizer):
+        return f"q_{c.resolve_algorithm(world)}"
+    return "topk_all_gather" if isinstance(c, ddpcomm.compressors.TopK) else "randk_all_reduce"
 
 
-def check_many_small_buckets(rank, world):
-    # Tiny buckets (one or two parameters each) and several steps on 3+ ranks: the case
-    # where out-of-order completion pairs the wrong buckets if phase 2 is not sequenced.
+# Many small buckets: the case where out-of-order completion pairs the wrong buckets if a
+# second collective is not sequenced (two-phase), and where every method's bucket order
+# must hold.
+SMALL_BUCKETS = {
+    "q4-two_phase-ef": lambda: ddpcomm.QuantizeState(
+        bits=4, algorithm="two_phase", error_feedback=True
+    ),
+    "topk": lambda: ddpcomm.TopKState(0.05),
+    "randk": lambda: ddpcomm.RandomKState(0.05),
+}
+
+
+def check_many_small_buckets(rank, world, make_state):
+    # Tiny buckets (one or two parameters each) and several steps on 3+ ranks.
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(24 + i, 25 + i) for i in range(12)])
-    state = ddpcomm.QuantizeState(bits=4, algorithm="two_phase", error_feedback=True)
+    state = make_state()
     ddp = DDP(model, bucket_cap_mb=0.0005)
-    ddp.register_comm_hook(state, ddpcomm.quantize_hook)
+    ddp.register_comm_hook(state, ddpcomm.compress_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     for step in range(6):
         g = torch.Generator().manual_seed(step * 10 + rank)
@@ -121,162 +153,154 @@ def check_many_small_buckets(rank, world):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert state.stats()["paths"]["q_two_phase"] >= 6 * 10
+    assert state.stats()["paths"][compressed_path(state, world)] >= 6 * 10
     assert identical_across_ranks(flat_params(model), world)
-    return True
 
 
-def test_many_small_buckets_three_ranks():
-    run_ranks(check_many_small_buckets, 3)
+OPTIONS = {
+    "q8": lambda: ddpcomm.QuantizeState(bits=8, start_iter=3, min_numel=1000),
+    "topk": lambda: ddpcomm.TopKState(0.01, start_iter=3, min_numel=1000),
+    "randk": lambda: ddpcomm.RandomKState(0.01, start_iter=3, min_numel=1000),
+}
 
 
-def check_state_behaviour(rank, world):
-    # start_iter and min_numel: plain all_reduce before start_iter and for small buckets.
-    state = ddpcomm.QuantizeState(bits=8, start_iter=3, min_numel=1000)
-    train(rank, state, ddpcomm.quantize_hook, steps=5)
+def check_start_iter_and_min_numel(rank, world, make_state):
+    # Plain all_reduce before start_iter and for small buckets, compressed otherwise.
+    state = make_state()
+    train(rank, SHALLOW, state, ddpcomm.compress_hook, steps=5)
     paths = state.stats()["paths"]
     assert state.iteration == 5
-    assert paths["plain"] > 0 and paths["q_all_gather" if world <= 2 else "q_two_phase"] > 0
+    assert paths["plain"] > 0 and paths[compressed_path(state, world)] > 0
 
+
+DEFAULT_STATES = {
+    "compress_hook": (ddpcomm.compress_hook, ddpcomm.CompressionState),
+    "quantize_hook": (ddpcomm.quantize_hook, ddpcomm.QuantizeState),
+    "topk_hook": (ddpcomm.topk_hook, ddpcomm.TopKState),
+    "randomk_hook": (ddpcomm.randomk_hook, ddpcomm.RandomKState),
+}
+
+
+def check_state_none(rank, world, hook, cls):
     # state=None: each model gets its own default state; two models never share buffers.
     a, b = make_model(1), make_model(2)
     ddp_a, ddp_b = DDP(a, bucket_cap_mb=0.01), DDP(b, bucket_cap_mb=0.01)
-    ddp_a.register_comm_hook(None, ddpcomm.quantize_hook)
-    ddp_b.register_comm_hook(None, ddpcomm.quantize_hook)
+    ddp_a.register_comm_hook(None, hook)
+    ddp_b.register_comm_hook(None, hook)
     for step in range(3):
-        x, y = batch(rank, step)
+        x = torch.randn(32, 32, generator=torch.Generator().manual_seed(SHALLOW.seed(rank, step)))
+        y = fixed_teacher(x)
         (nn.functional.mse_loss(ddp_a(x), y) + nn.functional.mse_loss(ddp_b(x), y)).backward()
     sa = ddpcomm.hooks._DEFAULT_STATES[next(a.parameters())]
     sb = ddpcomm.hooks._DEFAULT_STATES[next(b.parameters())]
+    assert type(sa) is cls and sa.compressor == cls().compressor  # the defaults
     assert sa is not sb and sa.iteration == 3 and sb.iteration == 3
-    assert identical_across_ranks(flat_params(a).detach(), world)
-    return True
+    assert identical_across_ranks(flat_params(a), world)
+    # ... and trains: the defaults (q8; top-k and random-k at 1% density) stay finite.
+    model, _ = train(rank, DEEP, None, hook, steps=5)
+    assert math.isfinite(held_out_loss(DEEP, model))
 
 
-def test_state_options_and_defaults():
-    run_ranks(check_state_behaviour, 2)
+RESUME = {
+    "q2-stochastic": Case(
+        SHALLOW,
+        lambda: ddpcomm.QuantizeState(bits=2, stochastic=True, seed=5),
+        ddpcomm.quantize_hook,
+        0,
+    ),
+    "topk-approximate-bf16": Case(
+        DEEP,
+        lambda: ddpcomm.TopKState(0.05, approximate=True, value_dtype=torch.bfloat16),
+        ddpcomm.topk_hook,
+        0,
+    ),
+    "randk": Case(DEEP, lambda: ddpcomm.RandomKState(0.1, seed=3), ddpcomm.randomk_hook, 0),
+}
 
 
-def check_resume(rank, world):
-    # Train 8 steps straight vs 4 steps, checkpoint (state_dict + pickle), fresh objects,
-    # 4 more steps: bitwise the same parameters. The fresh DDP groups its first iteration's
-    # buckets differently from the checkpoint's (DDP rebuilds after iteration 0), so this
-    # also checks that the state re-forms the saved buckets for that iteration.
-    def fresh_state():
-        return ddpcomm.QuantizeState(bits=2, stochastic=True, seed=5)
+def check_resume(rank, world, case: Case):
+    # Train 8 steps straight vs 4 steps, checkpoint (state_dict through torch.save, and
+    # pickle), fresh objects, 4 more steps: bitwise the same parameters. The fresh DDP
+    # groups its first iteration's buckets differently from the checkpoint's (DDP rebuilds
+    # after iteration 0), so this also checks that the state re-forms the saved buckets for
+    # that iteration. The residuals carry the unsent gradient mass, so a lost one would
+    # change the result. Plain SGD: no optimizer state to checkpoint.
+    recipe = dataclasses.replace(case.recipe, momentum=0.0)
+    straight, _ = train(rank, recipe, case.state(), case.hook, steps=8)
 
-    straight, _ = train(rank, fresh_state(), ddpcomm.quantize_hook, steps=8)
-
-    state = fresh_state()
-    model, _ = train(rank, state, ddpcomm.quantize_hook, steps=4)
-    opt_free_params = {k: v.clone() for k, v in model.state_dict().items()}
-    sd = state.state_dict()
+    state = case.state()
+    model, _ = train(rank, recipe, state, case.hook, steps=4)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
     buf = io.BytesIO()
-    torch.save(sd, buf)
+    torch.save(state.state_dict(), buf)
     pickled = pickle.loads(pickle.dumps(state))
     assert pickled.process_group is None and pickled.iteration == 4
+    fresh = case.state()
+    buf.seek(0)
+    fresh.load_state_dict(torch.load(buf, weights_only=False))
 
-    for restored_state in (fresh_state(), pickled):
-        if restored_state is not pickled:
-            buf.seek(0)
-            restored_state.load_state_dict(torch.load(buf, weights_only=False))
-        model2 = make_model()
-        model2.load_state_dict(opt_free_params)
-        resumed, _ = train(
-            rank, restored_state, ddpcomm.quantize_hook, steps=4, model=model2, start=4
-        )
+    for restored in (fresh, pickled):
+        model = recipe.model()
+        model.load_state_dict(weights)
+        resumed, _ = train(rank, recipe, restored, case.hook, steps=4, model=model, start=4)
         assert torch.equal(flat_params(resumed), flat_params(straight))
-    return True
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_checkpoint_resume_is_bitwise(world):
-    run_ranks(check_resume, world)
+NON_FINITE = {
+    "q8": lambda: ddpcomm.QuantizeState(bits=8),
+    "q4-ef": lambda: ddpcomm.QuantizeState(bits=4, error_feedback=True),
+    "topk": lambda: ddpcomm.TopKState(0.01),
+    "randk": lambda: ddpcomm.RandomKState(0.01),
+}
 
 
-def check_config_mismatch_in_ddp(rank, world):
-    state = ddpcomm.QuantizeState(bits=8 if rank == 0 else 4)
+def check_non_finite_step(rank, world, make_state):
+    """One rank feeds NaN: every bucket's result is non-finite on every rank, no residual
+    keeps a NaN, and the next (finite) step trains normally."""
+    finite: list[bool] = []
+    state = make_state()
+
+    def checked(state, bucket):
+        def record(fut):
+            finite.append(bool(torch.isfinite(fut.value()).all()))
+            return fut.value()
+
+        return ddpcomm.compress_hook(state, bucket).then(record)
+
+    teacher = make_teacher()
+    model = DDP(make_deep_model(), bucket_cap_mb=DEEP.bucket_cap_mb)
+    model.register_comm_hook(state, checked)
+    for step in range(4):
+        x = torch.randn(32, 32, generator=torch.Generator().manual_seed(DEEP.seed(rank, step)))
+        y = teacher(x)
+        if step == 2 and rank == world - 1:
+            x[0, 0] = float("nan")
+        finite.clear()
+        model.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        assert finite  # one bucket before DDP rebuilds them, five after
+        if step == 2:
+            assert not any(finite), f"rank {rank}: a bucket stayed finite after a NaN"
+            for buf in state.memory.buffers.values():
+                assert bool(torch.isfinite(buf).all()), "NaN left in a residual"
+        else:
+            assert all(finite)
+
+
+# Ranks configured differently: a clear error on every rank at the first step, no hang.
+MISMATCH = {
+    "q8-vs-q4": (lambda rank: ddpcomm.QuantizeState(bits=8 if rank == 0 else 4), "quantize"),
+    "topk-ratio": (lambda rank: ddpcomm.TopKState(0.01 if rank == 0 else 0.02), "topk"),
+    "randk-seed": (lambda rank: ddpcomm.RandomKState(0.01, seed=rank), "randomk"),
+}
+
+
+def check_config_mismatch(rank, world, make_state, hook) -> str:
     try:
-        train(rank, state, ddpcomm.quantize_hook, steps=1)
+        train(rank, SHALLOW, make_state(rank), getattr(ddpcomm, f"{hook}_hook"), steps=1)
     except Exception as exc:  # noqa: BLE001 - DDP re-raises hook errors as RuntimeError
         return str(exc)
     return "no error"
-
-
-def test_ranks_with_different_configs_fail_clearly():
-    for msg in run_ranks(check_config_mismatch_in_ddp, 2):
-        assert "ranks disagree on the compression configuration" in msg
-
-
-def check_integer_bucket(rank, world):
-    class IntBucket:
-        def buffer(self):
-            return torch.arange(10)
-
-        def index(self):
-            return 0
-
-        def is_last(self):
-            return True
-
-        def parameters(self):
-            return []
-
-    try:
-        ddpcomm.quantize_hook(ddpcomm.QuantizeState(), IntBucket())
-    except TypeError as exc:
-        return str(exc)
-    return "no error"
-
-
-def test_integer_bucket_rejected():
-    assert "float32, float16 or bfloat16" in run_ranks(check_integer_bucket, 1)[0]
-
-
-@pytest.mark.parametrize(
-    "kwargs, exc, match",
-    [
-        ({"bits": 3}, ValueError, "bits must be one of 1, 2, 4, 8"),
-        ({"bits": True}, ValueError, "bits must be one of"),
-        ({"block_size": 100}, ValueError, "block_size must be a power of two"),
-        ({"block_size": 16}, ValueError, r"block_size must be in \[32, 65536\]"),
-        ({"block_size": 64.0}, TypeError, "block_size must be an int"),
-        ({"stochastic": 1}, TypeError, "stochastic must be a bool"),
-        ({"error_feedback": "yes"}, TypeError, "error_feedback must be a bool"),
-        ({"algorithm": "ring"}, ValueError, "algorithm must be one of"),
-        # The same mistake raises the same exception type for every count argument.
-        ({"start_iter": -1}, ValueError, "start_iter must be >= 0"),
-        ({"start_iter": 2.0}, TypeError, "start_iter must be an int"),
-        ({"min_numel": 1.5}, TypeError, "min_numel must be an int"),
-        ({"min_numel": -1}, ValueError, "min_numel must be >= 0"),
-        ({"seed": 1.0}, TypeError, "seed must be an int"),
-        ({"seed": -3}, ValueError, "seed must be in"),
-        ({"process_group": "world"}, TypeError, "process_group must be a ProcessGroup"),
-        ({"bitz": 8}, TypeError, "unexpected keyword argument 'bitz'"),
-    ],
-)
-def test_bad_state_arguments(kwargs, exc, match):
-    with pytest.raises(exc, match=match):
-        ddpcomm.QuantizeState(**kwargs)
-
-
-def test_bad_specs():
-    with pytest.raises(ValueError, match="unknown compression spec 'q3'; known methods"):
-        ddpcomm.parse_compression("q3")
-    with pytest.raises(ValueError, match="takes no ':' argument"):
-        ddpcomm.parse_compression("q8:2")
-    with pytest.raises(TypeError, match="spec string or a Compressor"):
-        ddpcomm.parse_compression(8)
-    with pytest.raises(TypeError, match="quantize_hook needs a QuantizeState"):
-        ddpcomm.quantize_hook(object(), None)
-
-
-@pytest.mark.parametrize("hook", [ddpcomm.compress_hook, ddpcomm.quantize_hook, ddpcomm.topk_hook])
-def test_python_reducer_form_is_a_clear_error(hook):
-    # DDP's python_reducer calls hook(state, (grad, param)) per parameter.
-    param = torch.nn.Parameter(torch.ones(4))
-    with pytest.raises(NotImplementedError, match="python_reducer"):
-        hook(None, (torch.ones(4), param))
 
 
 def check_torch_compile(rank, world):
@@ -293,15 +317,157 @@ def check_torch_compile(rank, world):
         run = torch.compile(ddp, backend="aot_eager") if compiled else ddp
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         for step in range(4):
-            x, y = batch(rank, step)
+            x = torch.randn(32, 32, generator=torch.Generator().manual_seed(7919 * step + rank))
             opt.zero_grad()
-            nn.functional.mse_loss(run(x), y).backward()
+            nn.functional.mse_loss(run(x), fixed_teacher(x)).backward()
             opt.step()
         out[compiled] = flat_params(model)
     assert identical_across_ranks(out[True], world)
     torch.testing.assert_close(out[True], out[False], rtol=1e-4, atol=1e-5)
-    return True
 
 
-def test_torch_compile_with_compress_hook():
-    run_ranks(check_torch_compile, 2)
+# --------------------------------------------------------------------------------------
+# The plan every rank of a group runs, and the tests reading it
+# --------------------------------------------------------------------------------------
+
+
+def parity_worlds(case: Case, device: str) -> tuple:
+    if device == "cuda":
+        return (CUDA_WORLD,) if case.recipe is SHALLOW else ()
+    return WORLDS[case.recipe]
+
+
+RESUME_WORLDS = {name: WORLDS[case.recipe] for name, case in RESUME.items()}
+
+
+def plan(rank: int, world: int, device: str):
+    p = functools.partial
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    runs = Runs(rank, world, device)
+    for name, case in PARITY.items():
+        if world in parity_worlds(case, device):
+            yield ("parity", name), p(runs.parity, name)
+    yield ("allreduce_hook",), runs.allreduce_hook_is_default
+    for name in SPEC_TWINS:
+        yield ("spec_twin", name), p(runs.spec_twin, name)
+    if device == "cuda":
+        return
+    if world == 3:
+        for name, make in SMALL_BUCKETS.items():
+            yield ("small_buckets", name), p(check_many_small_buckets, rank, world, make)
+        for name, make in NON_FINITE.items():
+            yield ("non_finite", name), p(check_non_finite_step, rank, world, make)
+    if world == 2:
+        for name, make in OPTIONS.items():
+            yield ("options", name), p(check_start_iter_and_min_numel, rank, world, make)
+        for name, (hook, cls) in DEFAULT_STATES.items():
+            yield ("state_none", name), p(check_state_none, rank, world, hook, cls)
+        yield ("torch_compile",), p(check_torch_compile, rank, world)
+    for name, case in RESUME.items():
+        if world in RESUME_WORLDS[name]:
+            yield ("resume", name), p(check_resume, rank, world, case)
+    # Last: a hook that raised leaves its DDP model unusable.
+    for name, (make, hook) in MISMATCH.items():
+        yield ("mismatch", name), p(check_config_mismatch, rank, world, make, hook)
+
+
+@pytest.fixture(scope="module")
+def groups():
+    return Groups(plan)
+
+
+PARITY_RUNS = [
+    pytest.param(name, world, device, marks=[needs_cuda] if device == "cuda" else [])
+    for device in ("cpu", "cuda")
+    for name, case in PARITY.items()
+    for world in parity_worlds(case, device)
+]
+
+
+@pytest.mark.parametrize("method, world, device", PARITY_RUNS)
+def test_ddp_parity_with_default(groups, method, world, device):
+    """Close to DDP's default, replicas bitwise identical, stats() showing the saving."""
+    r = groups.values(world, device, "parity", method)[0]
+    case = PARITY[method]
+    if case.recipe is SHALLOW:
+        # Bounds. q8 moves each gradient element by at most absmax/254 of its 256-element
+        # block per step (under 0.4% of the block's largest gradient), unbiased in sign on
+        # average; over 50 SGD steps the parameters stay within 1% (relative L2) of DDP's
+        # default. q4 with error feedback has steps 18x coarser, but error feedback
+        # re-injects what was dropped, so the trajectory stays within 5%. Loss within 5%
+        # of the default's final loss for both.
+        assert r["rel"] < case.bound, r["rel"]
+        assert abs(r["loss"] - r["ref_loss"]) <= 0.05 * r["ref_loss"], r
+        assert r["rel"] > 0, "a lossy hook that changes nothing is not compressing"
+        return
+    # Bound: reach at least 90% of the loss reduction DDP's default reaches in 100 steps.
+    # Both runs compress 3.3x (top-k 10%, random-k 30%). With error feedback every gradient
+    # entry is applied eventually, delayed by about 1/ratio steps (Stich et al. 2018,
+    # "Sparsified SGD with memory"), which is small next to 100 steps, so most of the
+    # progress must survive. Measured at the time of writing: top-k 97.8%, random-k 96.7%;
+    # the 90% bound leaves room for platform float differences, while a broken hook (no
+    # error feedback, wrong scaling, dropped buckets) lands far below it.
+    start = r["start_held_out"]
+    achieved = (start - r["held_out"]) / (start - r["ref_held_out"])
+    assert achieved >= case.bound, f"{achieved:.3f} of the default's loss reduction"
+    stats = r["stats"]
+    path = "topk_all_gather" if method == "topk" else "randk_all_reduce"
+    assert stats["paths"].get(path, 0) >= 5 * (DEEP.steps - 1)
+    assert stats["bytes_sent"] * 3 < stats["dense_bytes"]
+
+
+PARITY_GROUPS = [
+    pytest.param(2, "cpu"),
+    pytest.param(3, "cpu"),
+    pytest.param(CUDA_WORLD, "cuda", marks=needs_cuda),
+]
+
+
+@pytest.mark.parametrize("world, device", PARITY_GROUPS)
+def test_allreduce_hook_is_bitwise_ddp_default(groups, world, device):
+    groups.values(world, device, "allreduce_hook")
+
+
+@pytest.mark.parametrize("world, device", PARITY_GROUPS)
+@pytest.mark.parametrize("method", SPEC_TWINS)
+def test_spec_string_runs_what_the_named_state_runs(groups, method, world, device):
+    groups.values(world, device, "spec_twin", method)
+
+
+@pytest.mark.parametrize("method", SMALL_BUCKETS)
+def test_many_small_buckets_three_ranks(groups, method):
+    groups.values(3, "cpu", "small_buckets", method)
+
+
+@pytest.mark.parametrize("method", OPTIONS)
+def test_start_iter_and_min_numel(groups, method):
+    groups.values(2, "cpu", "options", method)
+
+
+@pytest.mark.parametrize("hook", DEFAULT_STATES)
+def test_state_none_gives_each_model_its_own_defaults(groups, hook):
+    groups.values(2, "cpu", "state_none", hook)
+
+
+@pytest.mark.parametrize(
+    "method, world", [(name, w) for name, worlds in RESUME_WORLDS.items() for w in worlds]
+)
+def test_checkpoint_resume_is_bitwise(groups, method, world):
+    groups.values(world, "cpu", "resume", method)
+
+
+@pytest.mark.parametrize("method", NON_FINITE)
+def test_non_finite_step(groups, method):
+    groups.values(3, "cpu", "non_finite", method)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("method", MISMATCH)
+def test_ranks_with_different_configs_fail_clearly(groups, method, world):
+    for msg in groups.values(world, "cpu", "mismatch", method):
+        assert "ranks disagree on the compression configuration" in msg
+
+
+def test_torch_compile_with_compress_hook(groups):
+    groups.values(2, "cpu", "torch_compile")
