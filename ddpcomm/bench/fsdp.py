@@ -176,8 +176,10 @@ def run(args) -> int:
                 "label": f"train, {world} ranks, {m}: {settings['steps']} steps",
                 "row": {"part": "train", "method": m, "world": world},
                 "model": cfg.__dict__,
-                # Between heartbeats (5 s, or a step): 20x a plain all_reduce of the grads.
-                "timeout": 120 + 20 * 2 * 4 * num_params(GPT(cfg)) / rate,
+                # The whole case, not the time between heartbeats: a spawned rank's notes
+                # never reach the watchdog (_ranks sets their event file in its __main__
+                # copy only). 5x the 2 gradients' worth a plain step puts on the wire.
+                "timeout": 120 + 5 * settings["steps"] * 2 * 4 * num_params(GPT(cfg)) / rate,
                 **settings,
             }
             for m in args.train_methods
