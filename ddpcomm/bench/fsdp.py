@@ -353,6 +353,17 @@ def report(result: dict, markdown: bool = False) -> str:
     if rs:
         lines += ["", "Reduce-scatter of one fp32 gradient (ReduceOp.AVG), per call:", ""]
         lines.append(table(*_rs_table(rs), markdown))
+        extra = [
+            f"{r['wire_bytes'] / r['bytes']:.1f}x at {r['world']} ranks"
+            for r in rs
+            if r["method"] == "plain" and r.get("wire_bytes", 0) > 1.5 * r["bytes"]
+        ]
+        if extra:
+            lines.append(
+                f"plain's bytes on the wire were {', '.join(extra)} its N-1 chunks: gloo "
+                "reduce-scatters by an all_reduce of the whole input, then a copy (NCCL sends "
+                "the chunks only), so speedups over plain here can pass the limit from bytes."
+            )
     trained = [r for r in rows if r["part"] == "train"]
     if trained:
         lines += ["", f"FSDP2 training, {env['model']}:", ""]
