@@ -19,7 +19,7 @@ import ddpcomm
 # The ddpcomm these tests imported, whatever the subprocess's working directory.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(ddpcomm.__file__)))
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-COMMANDS = ["demo", "kernels", "sparse", "coalesced", "collectives", "train"]
+COMMANDS = ["demo", "kernels", "sparse", "coalesced", "collectives", "train", "fsdp"]
 
 
 @pytest.fixture
@@ -97,10 +97,10 @@ def test_bad_arguments_name_the_argument(cwd):
         ["collectives", "--link", "fast"],
         ["train", "--steps", "3", "--warmup-steps", "3"],
         ["kernels", "--ops", "quantize:q3"],
+        ["fsdp", "--train-methods", "allreduce"],
     )
-    for (code, _, err), arg in zip(
-        results, ["--methods", "--world", "--link", "--warmup-steps", "--ops"], strict=True
-    ):
+    args = ["--methods", "--world", "--link", "--warmup-steps", "--ops", "--train-methods"]
+    for (code, _, err), arg in zip(results, args, strict=True):
         assert code != 0 and arg in err, err
 
 
@@ -150,6 +150,29 @@ def test_train_quick(cwd, tmp_path):
         assert len(r["loss"]) == 12 and all(0 < x < 10 for x in r["loss"])
         assert 0 < r["eval_loss"] < 10 and r["bytes_per_step"] > 0
     assert q8["compress_s_per_step"] >= 0 and q8["max_param_diff"] > 0
+
+
+def test_fsdp_quick(cwd, tmp_path):
+    out = tmp_path / "f.json"
+    proc = bench(cwd, "fsdp", "--quick", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert all(r["status"] == "ok" and r["world"] == 2 for r in rows), rows
+    rs = {r["method"]: r for r in rows if r["part"] == "rs"}
+    trained = {r["method"]: r for r in rows if r["part"] == "train"}
+    assert list(rs) == ["plain", "q8", "q4", "q1", "topk:0.01"]
+    assert list(trained) == ["nocomm", "plain", "q8"]
+    n = 2**20 // 4  # one chunk of n / 2 elements goes to the other rank
+    assert rs["plain"]["bytes"] == 4 * n // 2 and rs["plain"]["rel_error"] < 1e-6
+    # ddpcomm's own count is q8's wire format: a 4-byte scale per 256 one-byte codes.
+    assert rs["q8"]["bytes"] == (n // 2 // 256) * (4 + 256) and 0 < rs["q8"]["rel_error"] < 0.02
+    assert all(r["median_s"] > 0 and len(r["times_s"]) == 2 for r in rs.values())
+    for r in trained.values():
+        assert len(r["loss"]) == 8 and 0 < r["eval_loss"] < 10 and r["median_step_s"] > 0
+    nocomm, plain, q8 = (trained[m]["rs_bytes_per_step"] for m in ("nocomm", "plain", "q8"))
+    assert nocomm == 0 and 0 < q8 < plain / 3
+    assert abs(trained["q8"]["eval_loss"] / trained["plain"]["eval_loss"] - 1) < 0.01
+    for column in ("speedup vs plain", "limit from bytes", "held-out loss", "loss vs plain"):
+        assert column in proc.stdout
 
 
 @pytest.mark.parametrize("command", ["kernels", "sparse", "coalesced"])

@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # In the order --help lists them.
-COMMANDS = ["demo", "kernels", "sparse", "coalesced", "collectives", "train"]
+COMMANDS = ["demo", "kernels", "sparse", "coalesced", "collectives", "train", "fsdp"]
 
 DESCRIPTION = """\
 Benchmarks of ddpcomm, each measured side by side with what PyTorch already offers (DDP's
