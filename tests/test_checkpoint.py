@@ -12,8 +12,13 @@ import torch
 import torch.distributed as dist
 
 import ddpcomm
+from tests.ddp_utils import SHALLOW, flat_params, make_model
+from tests.ddp_utils import train as _train
 from tests.dist_utils import run_ranks
-from tests.test_hooks import flat_params, make_model, train
+
+
+def train(rank, state, hook, **kwargs):
+    return _train(rank, SHALLOW, state, hook, **kwargs)
 
 
 def _resume_from_rank0_file(rank, make, hook, path):
