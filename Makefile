@@ -101,3 +101,4 @@ bench-net: all
 	$(PY) -m ddpcomm.bench collectives --link 10gbit --world 2 --sizes 16,64 --methods allreduce,torch-fp16,powersgd-r4,q8,q4,q1 --iters 5 --out benchmarks/collectives_10gbit_2ranks.json > benchmarks/collectives_10gbit_2ranks.txt
 	$(PY) -m ddpcomm.bench train --link 1gbit --methods nocomm,ddp,q8,q4 --out benchmarks/train_1gbit_2ranks.json --plot benchmarks/train_1gbit_2ranks.png > benchmarks/train_1gbit_2ranks.txt
 	$(PY) -m ddpcomm.bench train --link 1gbit --world 4 --steps 60 --methods nocomm,ddp,q8,q4 --out benchmarks/train_1gbit_4ranks.json --plot benchmarks/train_1gbit_4ranks.png > benchmarks/train_1gbit_4ranks.txt
+	$(PY) -m ddpcomm.bench fsdp --link 1gbit --out benchmarks/fsdp_1gbit.json > benchmarks/fsdp_1gbit.txt
