@@ -1,5 +1,5 @@
-"""Lightning: the hook runs on CPU (gloo) as on GPU, with the same results as registering
-it by hand on plain DDP."""
+"""Lightning and accelerate: the hook runs on CPU (gloo) as on GPU, with the same results
+as registering it by hand on plain DDP; ``python -m ddpcomm.run`` needs no edit."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch.nn as nn
 import ddpcomm
 from tests import ddp_utils
 from tests.dist_utils import run_ranks
+from tests.test_run import SCRIPT, _ranks, _run
 
 STEPS = 8
 
@@ -115,3 +116,34 @@ def test_import_ddpcomm_loads_no_framework():
     code = "import sys, ddpcomm; print(sorted({'lightning', 'accelerate'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.fixture
+def accelerate(tmp_path) -> tuple[list[str], dict]:
+    """``accelerate launch`` for 2 ranks, and its environment."""
+    pytest.importorskip("accelerate")
+    launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    if not os.path.exists(launcher):
+        pytest.skip("no accelerate command")
+    # --multi_gpu starts the ranks with torchrun; without a GPU accelerate runs them on
+    # CPU over gloo. HF_HOME: no default_config.yaml from the user's home.
+    command = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    command += ["--mixed_precision", "no", "--dynamo_backend", "no", SCRIPT]
+    return command, {"USE_ACCELERATE": "1", "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+
+
+def test_accelerate_recipe_and_the_launcher_agree(accelerate):
+    command, env = accelerate
+    # The recipe: compress_hook registered by hand on the model accelerate prepared.
+    recipe = _run(*command, env={**env, "DDPCOMM_BY_HAND": "1", "HAND_SPEC": "q4"})
+    assert recipe.returncode == 0, recipe.stderr
+    by_hand = _ranks(recipe.stdout)
+    assert sorted(by_hand) == [0, 1] and {h for h, _ in by_hand.values()} == {"compress_hook"}
+    assert len({digest for _, digest in by_hand.values()}) == 1  # ranks identical
+    # The same script untouched, under the launcher (tests/test_run.py holds the launcher
+    # to registering by hand on plain DDP).
+    res = _run(sys.executable, "-m", "ddpcomm.run", "--compression", "q4", *command, env=env)
+    assert res.returncode == 0, res.stderr
+    assert _ranks(res.stdout) == by_hand
+    summary = [line for line in res.stderr.splitlines() if line.startswith("ddpcomm:")]
+    assert len(summary) == 1 and summary[0].startswith("ddpcomm: q4: 6 buckets compressed, 0 plain")
