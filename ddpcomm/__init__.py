@@ -4,8 +4,9 @@
 >>> ddp.register_comm_hook(ddpcomm.CompressionState("q4"), ddpcomm.compress_hook)
 >>> ddpcomm.all_reduce(tensor, compression="q8")
 
-FSDP2: ``ddpcomm.fsdp.compress(model, "q8")`` (the submodule is imported on first use, so
-``import ddpcomm`` does not load torch's FSDP).
+FSDP2: ``ddpcomm.fsdp.compress(model, "q8")``; Lightning:
+``ddpcomm.lightning.CompressedDDPStrategy("q4")``. Both submodules are imported on first
+use, so ``import ddpcomm`` loads neither torch's FSDP nor Lightning.
 
 See README.md for the methods, their wire formats and measured results.
 """
@@ -49,7 +50,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # ddpcomm.fsdp on first use: importing torch.distributed.fsdp took 1.7 s here.
-    if name == "fsdp":
-        return importlib.import_module("ddpcomm.fsdp")
+    # On first use: importing torch.distributed.fsdp took 1.7 s here; Lightning is optional
+    # (not in __all__, so that `from ddpcomm import *` works without it).
+    if name in ("fsdp", "lightning"):
+        return importlib.import_module(f"ddpcomm.{name}")
     raise AttributeError(f"module 'ddpcomm' has no attribute {name!r}")

@@ -1,8 +1,9 @@
 """An ordinary DDP training script that never imports ddpcomm (unless DDPCOMM_BY_HAND=1).
 
-Under torchrun it is one rank; run directly, it spawns WORLD ranks itself with
-torch.multiprocessing. Every rank prints the comm hook DDP's logging data names and a
-digest of its final parameters.
+Under torchrun (or ``accelerate launch``) it is one rank; run directly, it spawns WORLD
+ranks itself with torch.multiprocessing. With USE_ACCELERATE=1 accelerate's
+``prepare`` builds the DDP model and the optimizer. Every rank prints the comm hook DDP's
+logging data names and a digest of its final parameters.
 """
 
 import hashlib
@@ -16,9 +17,20 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
+def prepare(module: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The DDP model and its optimizer, built by DDP itself or by accelerate."""
+    if os.environ.get("USE_ACCELERATE") == "1":
+        from accelerate import Accelerator
+
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+        return Accelerator(cpu=True).prepare(module, optimizer)
+    model = DDP(module)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
 def train(rank: int, world: int) -> None:
     torch.manual_seed(0)
-    model = DDP(nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 8)))
+    model, opt = prepare(nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 8)))
     if os.environ.get("DDPCOMM_BY_HAND") == "1":
         import ddpcomm
 
@@ -28,7 +40,6 @@ def train(rank: int, world: int) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         model.register_comm_hook(None, default_hooks.allreduce_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(6):
         x = torch.randn(16, 64, generator=torch.Generator().manual_seed(100 * step + rank))
         opt.zero_grad()
