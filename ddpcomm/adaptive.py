@@ -183,7 +183,7 @@ class Adaptive:
     def decide(self, step: int, group: dist.ProcessGroup) -> None:
         """Every rank's medians through the store, then the same decision on every rank."""
         self._resolve()
-        classes = sorted({cls for cls, _ in self._samples})
+        classes = sorted({cls for cls, _ in self._warm})  # every class timed at least once
         mine = {str(c): [self.measured(c, PLAIN), self.measured(c, COMPRESSED)] for c in classes}
         values = agreement.exchange(
             group,

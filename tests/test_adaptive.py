@@ -12,14 +12,17 @@ import contextlib
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import ddpcomm
 from ddpcomm import adaptive, collectives
 from tests import ddp_utils
+from tests.cuda_utils import needs_cuda
 from tests.spawn_plan import Groups
 
 WORLD = 2
 SMALL, LARGE = 300, 5000  # two buckets per step, in different size classes
+LATE = 70000  # a third class, in some checks from a later step on
 FIRST = 2 * adaptive.PROBE_STEPS  # the step of the first decision
 
 
@@ -71,25 +74,27 @@ def timed_paths(clock: Clock):
         collectives.plain_all_reduce, collectives.all_reduce_mean = plain, compressed
 
 
-def run_steps(rank: int, spec: str, cost, steps: int, every: int = 500) -> dict:
-    """``steps`` iterations of two buckets through compress_hook with fake timings; per
-    step the paths taken, the outputs' bytes, the inputs and the residuals' sums."""
+def run_steps(rank: int, spec: str, cost, steps: int, every: int = 500, late=None) -> dict:
+    """``steps`` iterations of two buckets through compress_hook with fake timings (and a
+    third of LATE elements from step ``late`` on); per step the paths taken, the outputs'
+    bytes, the inputs and the residuals' sums."""
     state = ddpcomm.CompressionState(spec, adaptive=True, adaptive_every=every)
     clock = Clock(cost)
     state.adaptive.clock = clock
-    params = [[torch.nn.Parameter(torch.empty(0))] for _ in range(2)]
+    params = [[torch.nn.Parameter(torch.empty(0))] for _ in range(3)]
     record = {"paths": [], "outputs": [], "inputs": 0.0, "residual_after_plain": []}
     with timed_paths(clock):
         for step in range(steps):
             clock.step = step
             paths = []
-            for index, n in enumerate((LARGE, SMALL)):
+            sizes = (LARGE, SMALL) if late is None or step < late else (LARGE, SMALL, LATE)
+            for index, n in enumerate(sizes):
                 g = torch.Generator().manual_seed(100 * step + 10 * index + rank)
                 grad = torch.randn(n, generator=g)
                 record["inputs"] += grad.double().sum().item()
                 before = {k: v.clone() for k, v in state.memory.buffers.items()}
                 plain_before = state.stats()["paths"].get("plain", 0)
-                bucket = Bucket(index, grad.clone(), index == 1, params[index])
+                bucket = Bucket(index, grad.clone(), index == len(sizes) - 1, params[index])
                 out = ddpcomm.compress_hook(state, bucket).wait()
                 plain = state.stats()["paths"].get("plain", 0) > plain_before
                 paths.append("plain" if plain else "compressed")
@@ -114,9 +119,41 @@ def constant(plain: float, compressed: float):
     return lambda path, numel, step: plain if path == "plain" else compressed
 
 
+def check_cuda_without_host_sync() -> dict:
+    """One rank on NCCL: CUDA events time both paths and are read only once complete;
+    no hook call synchronises with the host, probe and decisions included."""
+    torch.cuda.set_device(0)
+    nccl = dist.new_group(backend="nccl")
+    state = ddpcomm.CompressionState("q8,adaptive", process_group=nccl, adaptive_every=4)
+    params = [[torch.nn.Parameter(torch.empty(0))] for _ in range(2)]
+    grads = [torch.randn(n, device="cuda") for n in (LARGE, SMALL)]
+    bad = []
+    try:
+        for step in range(3 * FIRST):
+            for index, grad in enumerate(grads):
+                bucket = Bucket(index, grad.clone(), index == 1, params[index])
+                if step > 1:  # the first calls allocate buffers
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    ddpcomm.compress_hook(state, bucket).wait()
+                except RuntimeError as exc:
+                    bad.append(f"step {step}: {exc}")
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        rows = state.stats()["adaptive"]["classes"]
+    finally:
+        dist.destroy_process_group(nccl)
+    return {"bad": bad, "rows": rows, "decisions": state.adaptive.rounds}
+
+
 def plan(rank: int, world: int, device: str):
+    if device == "cuda":
+        yield ("cuda",), check_cuda_without_host_sync
+        return
     yield ("slow-compression",), lambda: run_steps(rank, "q8,adaptive", constant(1.0, 2.0), 12)
     yield ("slow-plain",), lambda: run_steps(rank, "q8,adaptive", constant(2.0, 1.0), 12)
+    yield ("late",), lambda: run_steps(rank, "q8,adaptive", constant(2.0, 1.0), 18, late=7)
 
     def differing(path, numel, step):
         # Rank 0 finds compression fast for both classes; rank 1 finds it slow for the
@@ -184,6 +221,16 @@ def test_compressed_chosen_when_plain_is_slow():
     for r in per_rank("slow-plain"):
         assert r["decisions"] == {cls(LARGE): "compressed", cls(SMALL): "compressed"}
         assert steady_paths(r) == [["compressed", "compressed"]] * (12 - FIRST)
+
+
+def test_a_class_first_seen_late_is_decided_soon():
+    r = per_rank("late")[0]
+    # Step 7 times LATE's compressed path once (a warm-up), so the decision at step 8
+    # cannot decide it; it is probed (alternating) and decided at 16, not 500 steps on.
+    assert r["decisions"] == {c: "compressed" for c in (cls(LARGE), cls(SMALL), cls(LATE))}
+    assert [p[2] for p in r["paths"][8:16]] == ["plain", "compressed"] * 4
+    assert r["paths"][16:] == [["compressed"] * 3] * 2
+    assert r["stats"]["adaptive"]["next_decision_iteration"] == 16 + 500
 
 
 def test_probe_alternates_paths_before_the_first_decision():
@@ -260,6 +307,16 @@ def test_real_clock_ddp_training_stays_identical_across_ranks():
 def test_ranks_disagreeing_on_adaptive_fail_with_a_clear_error():
     for message in per_rank("mismatch"):
         assert "adaptive" in message and "disagree" in message
+
+
+@needs_cuda
+def test_cuda_times_with_events_and_never_syncs():
+    (r,) = GROUPS.values(1, "cuda", "cuda")
+    assert r["bad"] == []
+    assert r["decisions"] >= 3  # at steps 8, 12, 16 and 20
+    for row in r["rows"]:
+        assert row["decision"] in ("plain", "compressed")
+        assert all(v is not None and v > 0 for v in row["measured_ms"].values()), row
 
 
 # -- no process group ------------------------------------------------------------------
