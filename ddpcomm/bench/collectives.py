@@ -17,6 +17,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from ddpcomm import adaptive
 from ddpcomm.bench import _methods, _ranks
 from ddpcomm.bench._util import environment, finish, machine_line, short, table, wall
 
@@ -129,6 +130,8 @@ def run(args) -> int:
         def timeout(case) -> float:
             # 10x a plain all_reduce's wire time per call (100 MB/s on loopback), + slack.
             calls = case["iters"] + case["warmup"] + 3
+            if ",adaptive" in case["row"]["method"]:
+                calls += 2 * adaptive.PROBE_STEPS
             return args.timeout or 60 + 10 * calls * 8 * case["row"]["numel"] / (rate or 100e6)
 
         common = {"link_check_mb": 8 if args.quick else 64}
