@@ -258,7 +258,13 @@ class Adaptive:
                 f"state_dict was saved with adaptive_every={sd.get('every')!r}, this state "
                 f"has {self.every}"
             )
-        self.decisions = {int(c): p for c, p in sd["decisions"].items()}
-        self.estimates = {int(c): tuple(e) for c, e in sd["estimates"].items()}
-        self.next_decision = int(sd["next_decision"])
-        self.rounds = int(sd["rounds"])
+        try:
+            decisions = {int(c): p for c, p in sd["decisions"].items()}
+            estimates = {int(c): (float(e[0]), float(e[1])) for c, e in sd["estimates"].items()}
+            next_decision, rounds = int(sd["next_decision"]), int(sd["rounds"])
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise ValueError(f"malformed state_dict['adaptive']: {exc!r}") from None
+        if not set(decisions.values()) <= {PLAIN, COMPRESSED}:
+            raise ValueError(f"state_dict['adaptive']['decisions'] has unknown paths: {decisions}")
+        self.decisions, self.estimates = decisions, estimates
+        self.next_decision, self.rounds = next_decision, rounds

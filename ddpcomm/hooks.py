@@ -226,7 +226,7 @@ class CompressionState:
         self.load_state_dict(d["state"])
 
     def __repr__(self) -> str:
-        adaptive = "" if self.adaptive is None else f"adaptive_every={self.adaptive.every}, "
+        adaptive = "" if self.adaptive is None else f"adaptive=True (every {self.adaptive.every}), "
         return (
             f"{type(self).__name__}({self.compressor!r}, start_iter={self.start_iter}, "
             f"min_numel={self.min_numel}, {adaptive}iteration={self.iteration})"

@@ -9,6 +9,7 @@ checks say which path must win, and no assertion depends on this machine's speed
 from __future__ import annotations
 
 import contextlib
+import pickle
 
 import pytest
 import torch
@@ -374,6 +375,14 @@ def test_state_dict_keeps_decisions():
     again.load_state_dict(sd)
     assert again.adaptive.decisions == state.adaptive.decisions
     assert again.adaptive.next_decision == 15
+    pickled = pickle.loads(pickle.dumps(state))
+    assert pickled.adaptive.decisions == state.adaptive.decisions
+    assert pickled.adaptive.every == 7
+    broken = dict(sd, adaptive=dict(sd["adaptive"], decisions={9: "fast"}))
+    with pytest.raises(ValueError, match="unknown paths"):
+        again.load_state_dict(broken)
+    with pytest.raises(ValueError, match=r"malformed state_dict\['adaptive'\]"):
+        again.load_state_dict(dict(sd, adaptive={"every": 7}))
     with pytest.raises(ValueError, match="adaptive=True, this state has adaptive=False"):
         ddpcomm.CompressionState("q8").load_state_dict(sd)
     with pytest.raises(ValueError, match="adaptive_every=7, this state has 500"):
