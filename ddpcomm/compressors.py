@@ -3,7 +3,8 @@
 A spec string names a method everywhere ddpcomm takes one (hooks, ``ddpcomm.all_reduce``,
 the benchmark CLI): ``none``, ``fp16``, ``bf16``, ``q8``, ``q4``, ``q2``, ``q1``,
 ``topk:R`` and ``randk:R``. ``parse`` turns a spec plus keyword options into a
-compressor; a compressor object passes through unchanged.
+compressor; a compressor object passes through unchanged. The DDP hook states also take
+flags after a comma (``q8,adaptive``): ``split_spec`` separates them; ``parse`` refuses them.
 
 >>> from ddpcomm import compressors
 >>> q = compressors.parse("q4", block_size=128)
