@@ -149,25 +149,50 @@ def agree(
     if ch is None:
         return
     with ch.lock:
-        seq = ch.seq
-        ch.seq += 1
-        base = f"ddpcomm/agree/{seq}/"
-        keys = [base + str(r) for r in range(ch.world)]
         mine = digest(fields)
-        got = ch.store.compare_set(keys[ch.rank], "", mine).decode()
-        if got != mine:  # a peer gave up on this check before this rank arrived
-            raise _abort_error(got)
-        limit = ch.timeout if limit is None else min(limit, ch.timeout)
-        _wait(ch, keys, what, limit, warn_after)
-        values = [v.decode() for v in ch.store.multi_get(keys)]
-        for v in values:
-            if v.startswith(_ABORT):
-                raise _abort_error(v)
-        stale, ch.previous = ch.previous, [keys[ch.rank]]
-        for key in stale:
-            ch.store.delete_key(key)
+        base, values = _publish_and_read(ch, mine, what, limit, warn_after)
         if any(v != mine for v in values):
+            limit = ch.timeout if limit is None else min(limit, ch.timeout)
             raise _mismatch(ch, base, fields, note, what, limit)
+
+
+def exchange(pg: dist.ProcessGroup, value: str, what: str, *, limit: float) -> list[str]:
+    """Every rank's ``value`` in group-rank order, through the store (a check in the same
+    sequence as ``agree``: ranks must call it at the same point). Missing ranks after
+    ``limit`` seconds raise the same RuntimeError as ``agree``. A one-rank group, or one
+    whose store torch does not expose, gets ``[value]`` from a one-rank group and a
+    RuntimeError otherwise."""
+    if value.startswith(_ABORT):
+        raise ValueError(f"an exchanged value cannot start with {_ABORT!r}")
+    ch = channel(pg)
+    if ch is None:
+        if dist.get_world_size(pg) == 1:
+            return [value]
+        raise RuntimeError(f"ddpcomm: {what} needs the process group's store, which is hidden")
+    with ch.lock:
+        return _publish_and_read(ch, value, what, limit, None)[1]
+
+
+def _publish_and_read(ch: Channel, mine: str, what: str, limit, warn_after):
+    """One check: writes ``mine`` under this rank's key, waits for every rank's, returns
+    (key prefix, every rank's value). Called under ``ch.lock``."""
+    seq = ch.seq
+    ch.seq += 1
+    base = f"ddpcomm/agree/{seq}/"
+    keys = [base + str(r) for r in range(ch.world)]
+    got = ch.store.compare_set(keys[ch.rank], "", mine).decode()
+    if got != mine:  # a peer gave up on this check before this rank arrived
+        raise _abort_error(got)
+    limit = ch.timeout if limit is None else min(limit, ch.timeout)
+    _wait(ch, keys, what, limit, warn_after)
+    values = [v.decode() for v in ch.store.multi_get(keys)]
+    for v in values:
+        if v.startswith(_ABORT):
+            raise _abort_error(v)
+    stale, ch.previous = ch.previous, [keys[ch.rank]]
+    for key in stale:
+        ch.store.delete_key(key)
+    return base, values
 
 
 def refuse(pg: dist.ProcessGroup, error: BaseException, what: str) -> None:

@@ -3,7 +3,8 @@
 A spec string names a method everywhere ddpcomm takes one (hooks, ``ddpcomm.all_reduce``,
 the benchmark CLI): ``none``, ``fp16``, ``bf16``, ``q8``, ``q4``, ``q2``, ``q1``,
 ``topk:R`` and ``randk:R``. ``parse`` turns a spec plus keyword options into a
-compressor; a compressor object passes through unchanged.
+compressor; a compressor object passes through unchanged. The DDP hook states also take
+flags after a comma (``q8,adaptive``): ``split_spec`` separates them; ``parse`` refuses them.
 
 >>> from ddpcomm import compressors
 >>> q = compressors.parse("q4", block_size=128)
@@ -360,6 +361,32 @@ class RandomK(_Sparsifier):
 # --------------------------------------------------------------------------------------
 
 SPECS = ("none", "fp16", "bf16", "q8", "q4", "q2", "q1", "topk:R", "randk:R")
+# Flags a spec string may end with, after commas (``"q8,adaptive"``): options of the DDP
+# hook states (how buckets are routed), not of the method, so ``parse`` refuses them.
+STATE_FLAGS = ("adaptive",)
+
+
+def split_spec(spec: str | Compressor) -> tuple[str | Compressor, dict]:
+    """``"q8,adaptive"`` -> ``("q8", {"adaptive": True})``: the method's spec, then the
+    hook-state flags given after commas. A compressor object passes through.
+
+    >>> split_spec("topk:0.01, adaptive")
+    ('topk:0.01', {'adaptive': True})
+    """
+    if not isinstance(spec, str) or "," not in spec:
+        return spec, {}
+    method, *flags = (part.strip() for part in spec.split(","))
+    state = {}
+    for flag in flags:
+        if flag.lower() not in STATE_FLAGS:
+            raise ValueError(
+                f"compression spec {spec!r}: unknown flag {flag!r} after ','; known flags: "
+                f"{', '.join(STATE_FLAGS)}"
+            )
+        if flag.lower() in state:
+            raise ValueError(f"compression spec {spec!r}: flag {flag!r} given twice")
+        state[flag.lower()] = True
+    return method, state
 
 
 def parse(spec: str | Compressor, **options) -> Compressor:
@@ -375,6 +402,12 @@ def parse(spec: str | Compressor, **options) -> Compressor:
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"compression must be a spec string or a Compressor, got {spec!r}")
+    if "," in spec:
+        raise ValueError(
+            f"compression spec {spec!r}: what follows ',' ({', '.join(STATE_FLAGS)}) is an "
+            "option of the DDP hook states (ddpcomm.CompressionState and the named states), "
+            "not of the method; give this call the method alone"
+        )
     name, colon, arg = spec.strip().partition(":")
     name = name.lower()
     if name in ("topk", "randk"):

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ddpcomm import agreement, checkpoint, collectives
+from ddpcomm.adaptive import DEFAULT_EVERY, MIN_EVERY, Adaptive
 from ddpcomm.compressors import (
     Compressor,
     NoCompression,
@@ -28,6 +29,7 @@ from ddpcomm.compressors import (
     check_float_tensor,
     check_int,
     parse,
+    split_spec,
 )
 from ddpcomm.context import ReduceContext, ResidualMemory, Stats, Workspace
 from ddpcomm.layout import LayoutTracker, Reformer
@@ -39,12 +41,18 @@ class CompressionState:
     Args:
         compression: a spec string (``"q8"``, ``"q4"``, ``"q2"``, ``"q1"``, ``"topk:0.01"``,
             ``"randk:0.01"``, ``"fp16"``, ``"bf16"``, ``"none"``) or a compressor object
-            from ``ddpcomm.compressors``.
+            from ``ddpcomm.compressors``. A spec may end with ``",adaptive"``
+            (``"q8,adaptive"``), the same as ``adaptive=True``.
         start_iter: iterations (backward passes) before this one use a plain all_reduce.
             Lets DDP settle its bucket layout and the model leave its first, large-gradient
             steps before compression starts.
         min_numel: buckets with fewer elements go uncompressed (latency-bound anyway).
         process_group: the group to reduce over; None means the default group.
+        adaptive: time the plain and the compressed path per bucket size class and send
+            plain where compression does not pay (``ddpcomm.adaptive``). Off by default:
+            with it, which buckets are compressed depends on measured speed, so two runs
+            of the same script need not give the same numbers bit for bit.
+        adaptive_every: steps between the adaptive decisions (re-evaluations).
         **options: the method's options (``block_size``, ``error_feedback``, ...; see its
             class in ``ddpcomm.compressors``), with a spec string only.
 
@@ -58,6 +66,7 @@ class CompressionState:
 
     __slots__ = (
         "compressor",
+        "adaptive",
         "start_iter",
         "min_numel",
         "process_group",
@@ -78,11 +87,15 @@ class CompressionState:
         start_iter: int = 0,
         min_numel: int = 0,
         process_group: dist.ProcessGroup | None = None,
+        adaptive: bool = False,
+        adaptive_every: int = DEFAULT_EVERY,
         **options,
     ) -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a ProcessGroup or None, got {process_group!r}")
+        compression, flags = split_spec(compression)
         self.compressor = parse(compression, **options)
+        self.adaptive = _make_adaptive(self.compressor, adaptive, adaptive_every, flags)
         self.start_iter = check_int(start_iter, "start_iter", 0)
         self.min_numel = check_int(min_numel, "min_numel", 0)
         self.process_group = process_group
@@ -102,10 +115,14 @@ class CompressionState:
         and how many buckets took each path."""
         d = self._stats.as_dict()
         d["iteration"] = self.iteration
+        if self.adaptive is not None:
+            d["adaptive"] = self.adaptive.stats(self.start_iter)
         return d
 
     def reset_stats(self) -> None:
         self._stats.reset()
+        if self.adaptive is not None:
+            self.adaptive.counts.clear()
 
     def reduce(self, flat: torch.Tensor, key: int, signature: tuple) -> torch.futures.Future:
         """Mean over ranks of one bucket's flat gradients: plain before ``start_iter`` and
@@ -123,6 +140,9 @@ class CompressionState:
             return collectives.sparse_all_reduce(flat, ctx)
         if self.iteration < self.start_iter or flat.numel() < self.min_numel:
             return collectives.plain_all_reduce(flat, ctx)
+        if self.adaptive is not None:
+            step = self.iteration - self.start_iter
+            return self.adaptive.reduce(flat, self.compressor, ctx, step)
         return collectives.all_reduce_mean(flat, self.compressor, ctx)
 
     # -- checkpointing -----------------------------------------------------------------
@@ -149,6 +169,8 @@ class CompressionState:
             "memory": self.memory.state_dict(),
             "layout": self.layout.state_dict(),
         }
+        if self.adaptive is not None:
+            sd["adaptive"] = self.adaptive.state_dict()
         return checkpoint.gather(sd, self.process_group) if gather else sd
 
     def load_state_dict(self, sd: dict, reset_residuals: bool = False) -> None:
@@ -169,6 +191,13 @@ class CompressionState:
                 f"state_dict was saved with config {tuple(sd['config'])}, this state has "
                 f"{self.compressor.config()}"
             )
+        if ("adaptive" in sd) != (self.adaptive is not None):
+            raise ValueError(
+                f"state_dict was saved with adaptive={'adaptive' in sd}, this state has "
+                f"adaptive={self.adaptive is not None}"
+            )
+        if self.adaptive is not None:
+            self.adaptive.load_state_dict(sd["adaptive"])
         self.iteration = sd["iteration"]
         self.start_iter = sd["start_iter"]
         self.min_numel = sd["min_numel"]
@@ -187,14 +216,35 @@ class CompressionState:
         return {"compressor": self.compressor, "state": self.state_dict()}
 
     def __setstate__(self, d: dict) -> None:
-        CompressionState.__init__(self, d["compressor"])
+        adaptive = d["state"].get("adaptive")
+        CompressionState.__init__(
+            self,
+            d["compressor"],
+            adaptive=adaptive is not None,
+            adaptive_every=adaptive["every"] if adaptive else DEFAULT_EVERY,
+        )
         self.load_state_dict(d["state"])
 
     def __repr__(self) -> str:
+        adaptive = "" if self.adaptive is None else f"adaptive=True (every {self.adaptive.every}), "
         return (
             f"{type(self).__name__}({self.compressor!r}, start_iter={self.start_iter}, "
-            f"min_numel={self.min_numel}, iteration={self.iteration})"
+            f"min_numel={self.min_numel}, {adaptive}iteration={self.iteration})"
         )
+
+
+def _make_adaptive(compressor: Compressor, adaptive, every, flags: dict) -> Adaptive | None:
+    """The state's ``Adaptive`` router, or None; ``flags`` are the spec string's."""
+    if not isinstance(adaptive, bool):
+        raise TypeError(f"adaptive must be a bool, got {adaptive!r}")
+    every = check_int(every, "adaptive_every", MIN_EVERY)  # checked even when unused
+    if not (adaptive or flags.get("adaptive")):
+        return None
+    if not compressor.lossy:
+        raise ValueError(
+            f"adaptive needs a compressing method; {compressor.spec!r} is the plain path already"
+        )
+    return Adaptive(every)
 
 
 class _MethodState(CompressionState):
@@ -211,9 +261,18 @@ class _MethodState(CompressionState):
         start_iter: int = 0,
         min_numel: int = 0,
         process_group: dist.ProcessGroup | None = None,
+        adaptive: bool = False,
+        adaptive_every: int = DEFAULT_EVERY,
         **options,
     ) -> None:
-        super().__init__(self.method(*args, **options), start_iter, min_numel, process_group)
+        super().__init__(
+            self.method(*args, **options),
+            start_iter,
+            min_numel,
+            process_group,
+            adaptive=adaptive,
+            adaptive_every=adaptive_every,
+        )
 
 
 class QuantizeState(_MethodState):
@@ -359,6 +418,9 @@ def _bucket_fields(compressor: Compressor, state, buffer: torch.Tensor, index: i
         fields["start_iter"] = state.start_iter
         fields["min_numel"] = state.min_numel
         fields["iteration"] = state.iteration
+        fields["adaptive"] = state.adaptive is not None
+        if state.adaptive is not None:
+            fields["adaptive_every"] = state.adaptive.every
     fields["bucket"] = index
     fields["numel"] = buffer.numel()
     fields["dtype"] = agreement.plain(buffer.dtype)

@@ -52,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         "train.py. Every option can also come from the environment: DDPCOMM_COMPRESSION, "
         "DDPCOMM_START_ITER, DDPCOMM_MIN_NUMEL, DDPCOMM_OPTIONS.",
     )
-    parser.add_argument("--compression", help="spec string: q8, q4, q2, q1, topk:R, randk:R, ...")
+    parser.add_argument(
+        "--compression",
+        help="spec string: q8, q4, q2, q1, topk:R, randk:R, ...; append ',adaptive' to send "
+        "plain where compression does not pay",
+    )
     parser.add_argument("--start-iter", type=int, help="plain all_reduce before this iteration")
     parser.add_argument("--min-numel", type=int, help="buckets smaller than this go plain")
     parser.add_argument(

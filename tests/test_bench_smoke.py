@@ -106,9 +106,10 @@ def test_bad_arguments_name_the_argument(cwd):
 
 def test_collectives_quick(cwd, tmp_path):
     out = tmp_path / "c.json"
-    proc = bench(cwd, "collectives", "--quick", "--methods", "allreduce,q8", "--out", str(out))
+    methods = "allreduce,q8,q8,adaptive"  # the flag joins the method before it
+    proc = bench(cwd, "collectives", "--quick", "--methods", methods, "--out", str(out))
     rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"allreduce", "q8"}
+    assert set(rows) == {"allreduce", "q8", "q8,adaptive"}
     for r in rows.values():
         assert r["status"] == "ok" and r["ranks_identical"], r
         assert r["median_s"] > 0 and len(r["times_s"]) == 2
@@ -119,6 +120,12 @@ def test_collectives_quick(cwd, tmp_path):
     assert rows["allreduce"]["formula_bytes"] == 4 * n  # 2(N-1)/N * 4n at N = 2
     assert rows["allreduce"]["rel_error"] < 1e-6 and 0 < rows["q8"]["rel_error"] < 0.02
     assert "speedup vs allreduce" in proc.stdout and "limit from bytes" in proc.stdout
+    # Adaptive: decided after its probe calls; its bytes are those of the path it took.
+    adaptive = rows["q8,adaptive"]
+    path = adaptive["adaptive_path"]
+    bytes_of = {"plain": rows["allreduce"]["formula_bytes"], "compressed": (n // 256) * (4 + 256)}
+    assert adaptive["measured_bytes"] == bytes_of[path]
+    assert f"q8,adaptive -> {path}" in proc.stdout
 
 
 def test_demo_quick_reports_a_failed_peer_in_one_line(cwd, tmp_path):

@@ -1,8 +1,8 @@
 """The methods the benchmarks compare: torch's own DDP hooks by name, ddpcomm's by spec.
 
-ddpcomm methods are spec strings (``q8``, ``q4``, ``topk:0.01``, ...) and their states
-are built in one place, ``_state``. Every method also has a byte formula, so a row whose
-hook fails still shows what it would have sent.
+ddpcomm methods are spec strings (``q8``, ``q4``, ``topk:0.01``, ...; ``q8,adaptive`` for
+adaptive pass-through) and their states are built in one place, ``_state``. Every method
+also has a byte formula, so a row whose hook fails still shows what it would have sent.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import argparse
 import math
 
 import ddpcomm
+from ddpcomm import adaptive
+from ddpcomm.compressors import STATE_FLAGS, split_spec
 
 # torch's hooks, as PyTorch users run them today.
 TORCH = {
@@ -23,6 +25,7 @@ TORCH = {
     "bpowersgd-r4": "torch batched_powerSGD_hook, rank 4",
 }
 DDPCOMM = ["q8", "q4", "q2", "q1", "topk:0.01", "randk:0.01"]
+ADAPTIVE = [f"{m},adaptive" for m in DDPCOMM]
 
 
 def describe(method: str) -> str:
@@ -58,7 +61,8 @@ def make_hook(method: str, group):
         hook = ps.powerSGD_hook if method[0] == "p" else ps.batched_powerSGD_hook
         return hook, state, 2
     state, hook = _state(method, group)
-    return hook, state, 0
+    # Adaptive states time both paths for 2 * PROBE_STEPS calls, then decide.
+    return hook, state, 0 if state.adaptive is None else 2 * adaptive.PROBE_STEPS
 
 
 def check(method: str, allowed: tuple[str, ...] = ()) -> str:
@@ -76,10 +80,17 @@ def check(method: str, allowed: tuple[str, ...] = ()) -> str:
 
 
 def method_list(allowed: tuple[str, ...] = ()):
-    """argparse type of ``--methods``: a comma-separated list of known methods."""
+    """argparse type of ``--methods``: a comma-separated list of known methods. A state
+    flag joins the method before it: ``q8,q8,adaptive`` is q8, then q8 with adaptive."""
 
     def parse(text: str) -> list[str]:
-        names = [check(m.strip(), allowed) for m in text.split(",") if m.strip()]
+        names: list[str] = []
+        for m in filter(None, (m.strip() for m in text.split(","))):
+            if m.lower() in STATE_FLAGS and names:
+                names[-1] += f",{m.lower()}"
+            else:
+                names.append(m)
+        names = [check(m, allowed) for m in names]
         if not names:
             raise argparse.ArgumentTypeError("give at least one method")
         return names
@@ -90,7 +101,8 @@ def method_list(allowed: tuple[str, ...] = ()):
 METHODS_HELP = (
     "comma-separated methods: torch's allreduce (DDP's default), torch-fp16, torch-qpt "
     "(quantization_pertensor_hook), powersgd-r1, powersgd-r4, bpowersgd-r1, bpowersgd-r4 "
-    "(batched); ddpcomm's q8, q4, q2, q1, topk:R, randk:R (R: the density)"
+    "(batched); ddpcomm's q8, q4, q2, q1, topk:R, randk:R (R: the density), each "
+    "optionally followed by ',adaptive' (adaptive pass-through)"
 )
 
 
@@ -122,4 +134,5 @@ def formula_bytes(method: str, shapes: list[tuple[int, ...]], world: int) -> int
         return round(_ring(world, 4 * 2 * side * int(method.rsplit("r", 1)[1])))
     if method == "nocomm":
         return 0
-    return ddpcomm.parse_compression(method).wire_bytes(numel, world)
+    # An adaptive method's bytes are its method's; stats() shows what it really sent.
+    return ddpcomm.parse_compression(split_spec(method)[0]).wire_bytes(numel, world)

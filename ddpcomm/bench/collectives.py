@@ -17,6 +17,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from ddpcomm import adaptive
 from ddpcomm.bench import _methods, _ranks
 from ddpcomm.bench._util import environment, finish, machine_line, short, table, wall
 
@@ -27,6 +28,10 @@ ranks, for each message size and world size, and prints per method: the median t
 the slowest rank, the bytes a rank sends (from the method's wire format) and, with
 --link, the bytes its interface really sent, the error against the exact mean, the
 speedup over plain all_reduce and the limit of that speedup from bytes alone.
+
+A method followed by ',adaptive' (q8,adaptive) makes 8 untimed calls first, in which
+adaptive pass-through times the plain and the compressed path and decides; its row says
+which path the decision took ('-> plain', '-> compressed') and its bytes are those sent.
 
 --link RATE gives each rank its own network namespace joined by links shaped to RATE
 with tc tbf (needs root; without it the run falls back to loopback and says so)."""
@@ -59,9 +64,10 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--methods",
         type=_methods.method_list(),
-        default=[*_methods.TORCH, *_methods.DDPCOMM],
+        default=[*_methods.TORCH, *_methods.DDPCOMM, *_methods.ADAPTIVE],
         metavar="LIST",
-        help=_methods.METHODS_HELP + " (default: all, topk and randk at 0.01)",
+        help=_methods.METHODS_HELP + " (default: all, topk and randk at 0.01, each with and "
+        "without adaptive)",
     )
     p.add_argument(
         "--link", metavar="RATE", help="shape each rank's link to RATE (1gbit, 10gbit); needs root"
@@ -124,6 +130,8 @@ def run(args) -> int:
         def timeout(case) -> float:
             # 10x a plain all_reduce's wire time per call (100 MB/s on loopback), + slack.
             calls = case["iters"] + case["warmup"] + 3
+            if ",adaptive" in case["row"]["method"]:
+                calls += 2 * adaptive.PROBE_STEPS
             return args.timeout or 60 + 10 * calls * 8 * case["row"]["numel"] / (rate or 100e6)
 
         common = {"link_check_mb": 8 if args.quick else 64}
@@ -261,6 +269,8 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         st1 = stats()
         result["measured_bytes"] = (st1["bytes_sent"] - st0["bytes_sent"]) / case["iters"]
         result["compress_s"] = (st1["compress_seconds"] - st0["compress_seconds"]) / case["iters"]
+        if "adaptive" in st1:  # the path the decision took for this bucket's size class
+            result["adaptive_path"] = st1["adaptive"]["classes"][-1]["decision"]
     # Every rank must hold the same result: compare checksums.
     probe = torch.stack([out.double().sum(), out.double().square().sum()])
     probes = [torch.empty_like(probe) for _ in range(world)]
@@ -290,9 +300,12 @@ def report(result: dict, markdown: bool = False) -> str:
         for c in env.get("link_checks", [])
     ]
     order = {m: i for i, m in enumerate([*_methods.TORCH, *_methods.DDPCOMM])}
-    rows = sorted(
-        rows, key=lambda r: (r["world"], r["size_mib"], order.get(r["method"], len(order)))
-    )
+
+    def position(method: str) -> tuple[int, str]:  # q8,adaptive right after q8
+        base = method.split(",")[0]
+        return order.get(base, len(order)), method
+
+    rows = sorted(rows, key=lambda r: (r["world"], r["size_mib"], position(r["method"])))
     plain = {
         (r["world"], r["size_mib"]): r
         for r in rows
@@ -315,19 +328,22 @@ def report(result: dict, markdown: bool = False) -> str:
     for r in rows:
         ok, base = r["status"] == "ok", plain.get((r["world"], r["size_mib"]))
         plain_bytes = _methods.formula_bytes("allreduce", [(r["numel"],)], r["world"])
+        sent = r["formula_bytes"]
+        if "adaptive_path" in r and "measured_bytes" in r:
+            sent = r["measured_bytes"]  # what the decided path sent
         status = "ok" if r.get("ranks_identical", True) else "ok, but ranks differ"
         body.append(
             [
-                r["method"],
+                r["method"] + (f" -> {r['adaptive_path']}" if "adaptive_path" in r else ""),
                 str(r["world"]),
                 f"{r['size_mib']:g}",
                 f"{r['median_s'] * 1e3:.1f}" if ok else "-",
                 f"{r['compress_s'] * 1e3:.1f}" if "compress_s" in r else "-",
-                _mb(r["formula_bytes"]),
+                _mb(sent),
                 _mb(r["wire_bytes"]) if "wire_bytes" in r else "-",
                 f"{r['rel_error']:.1e}" if "rel_error" in r else "-",
                 f"{base['median_s'] / r['median_s']:.2f}x" if ok and base else "-",
-                f"{plain_bytes / r['formula_bytes']:.1f}x" if r["formula_bytes"] else "-",
+                f"{plain_bytes / sent:.1f}x" if sent else "-",
                 status if ok else f"{r['status']}: {short(r.get('reason', ''))}",
             ]
         )

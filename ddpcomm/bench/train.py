@@ -37,6 +37,7 @@ time is the compute floor. The data is a synthetic language made in-process.
 OWN = ("nocomm", "ddp")  # no hook: no gradient exchange, and DDP's built-in all_reduce
 DEFAULT_METHODS = ["nocomm", "ddp", "torch-fp16", "powersgd-r4", *_methods.DDPCOMM]
 DEFAULT_METHODS.remove("q2")
+DEFAULT_METHODS.insert(DEFAULT_METHODS.index("q8") + 1, "q8,adaptive")
 
 
 def add_parser(sub) -> None:
@@ -255,6 +256,8 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         st = state.stats()
         result.update(bytes_per_step=st["bytes_sent"] / measured, paths=st["paths"])
         result["compress_s_per_step"] = st["compress_seconds"] / measured
+        if "adaptive" in st:
+            result["adaptive"] = st["adaptive"]
     elif method == "ddp":
         result["bytes_per_step"] = _methods.formula_bytes("ddp", [(result["params"],)], world)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
@@ -314,7 +317,7 @@ def report(result: dict, markdown: bool = False) -> str:
             ]
         )
     lines += ["", table(headers, body, markdown), ""]
-    lines += [f"{r['method']}: {_legend(r['method'])}" for r in rows]
+    lines += [f"{r['method']}: {_legend(r['method'])}{_decided(r)}" for r in rows]
     lines += [
         "MB/step: ddpcomm's own count (state.stats()); DDP and torch's hooks by their wire "
         "format. ms/step: median over steps after the warm-up, slowest rank."
@@ -326,6 +329,22 @@ def report(result: dict, markdown: bool = False) -> str:
         )
     lines += [f"warning: {w}" for w in env.get("warnings", [])]
     return "\n".join(lines)
+
+
+def _decided(row: dict) -> str:
+    """What adaptive pass-through decided, by bucket size class."""
+    if "adaptive" not in row:
+        return ""
+    found = {"compressed": 0, "plain": 0, "probing": 0}
+    for c in row["adaptive"]["classes"]:
+        found[c["decision"]] += 1
+    buckets = row["adaptive"]["buckets"]
+    probing = f", {found['probing']} still probing" if found["probing"] else ""
+    return (
+        f"; decided: {found['compressed']} size classes compressed, {found['plain']} plain"
+        f"{probing} (timed steps: {buckets['compressed']} buckets compressed, "
+        f"{buckets['plain']} plain)"
+    )
 
 
 def _legend(method: str) -> str:
