@@ -219,6 +219,35 @@ def test_topk_error_feedback_conserves_e(device, value_dtype):
     assert torch.equal(res.cpu()[mask], e.cpu()[mask])
 
 
+@pytest.mark.parametrize("approximate", [False, True])
+@pytest.mark.parametrize("value_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_topk_values_saturate_and_the_residual_keeps_the_rest(device, value_dtype, approximate):
+    """A finite |e| beyond the value dtype's range goes on the wire as its largest finite
+    value (65504 for float16), not Inf; the residual keeps e - sent. Inf and NaN are sent
+    as they are."""
+    top = torch.finfo(value_dtype).max
+    big = [1e5, -7e4, 65520.0, -3.4e38, 3.39e38, 65504.0]
+    x = gen(1000, torch.float32, 6) * 1e-3
+    x[10 : 10 + len(big)] = torch.tensor(big)
+    res = torch.zeros(1000)
+    got = check_topk(device, x, res, len(big), approximate, value_dtype=value_dtype)
+    idx, val = split(got, len(big), value_dtype)
+    assert idx.tolist() == list(range(10, 10 + len(big)))
+    e = torch.tensor(big)
+    want = torch.where(e.abs() > top, e.sign() * top, e.to(value_dtype).float())
+    assert torch.equal(val.float(), want) and bool(val.isfinite().all())
+    r = res.clone().to(device)
+    payload = ops.topk_compress(x.to(device), r, len(big), approximate, value_dtype=value_dtype)
+    dense = ops.sparse_accumulate(payload[None], 1000, len(big), 1, value_dtype, torch.float32)
+    assert torch.equal(dense + r, x.to(device))  # nothing lost
+    assert r.cpu()[10].item() == 1e5 - top or value_dtype == torch.bfloat16
+    x[12] = float("inf")
+    x[13] = float("nan")
+    got = check_topk(device, x, res, len(big), approximate, value_dtype=value_dtype)
+    _, val = split(got, len(big), value_dtype)
+    assert val[2].item() == float("inf") and math.isnan(val[3].item())
+
+
 def test_topk_approximate_close_to_exact(device):
     """On a Gaussian bucket the approximate selection keeps >= 97% of the exact top-k's
     L2 mass: its threshold keeps >= k candidates (then it is exact) in ~84% of sample
