@@ -699,6 +699,67 @@ def test_out_variants_bad_input(device):
         )
 
 
+def _alias_calls(d):
+    """(call, message): an output sharing memory with an input or another output."""
+    n, k = 1000, 10
+    x = gen(n, torch.float32).to(d)
+    # Two rows of k=2 float32 entries at the start of a buffer whose float32 view also
+    # serves as an output of 10 elements.
+    buf = torch.zeros(1024, dtype=torch.uint8, device=d)
+    rows = buf[:32].view(2, 16)
+    over = buf.view(torch.float32)[:10]
+    q = torch.ops.ddpcomm
+    return [
+        (lambda: ops.topk_compress(x, None, k, out=x.view(torch.uint8)[: 8 * k]), "out and x"),
+        (lambda: ops.topk_compress(x, x, k), "residual and x"),
+        (lambda: q.topk_compress_into(x, x[:0].new_zeros(n), x.view(torch.uint8)[-8 * k :], k),
+         "out and x"),
+        (lambda: ops.sparse_accumulate(rows, 10, 2, 1, torch.float32, torch.float32, out=over),
+         "out and payloads"),
+        (lambda: q.sparse_accumulate_into(rows, torch.empty(10, dtype=torch.half,
+                                          device=d), over, 2, 1, torch.float32),
+         "scratch and payloads"),
+        (lambda: ops.randk_compress(x, x, k, 0, 0, 0), "residual and x"),
+        (lambda: q.randk_compress_into(x, None, x[5 : 5 + k], 0, 0, 0), "out and x"),
+        (lambda: ops.randk_decompress(x[:k], n, 0, 0, 0, 1, torch.float32, out=x),
+         "out and values"),
+    ]  # fmt: skip
+
+
+def test_outputs_that_alias_inputs_are_refused(device):
+    for call, match in _alias_calls(device):
+        with pytest.raises(ValueError, match=f"{match} share memory"):
+            call()
+
+
+def test_alias_fakes_raise_like_the_native_ops():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for i, (call, _) in enumerate(_alias_calls("cpu")):
+        with pytest.raises(ValueError) as native:
+            call()
+        with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(ValueError) as fake:
+            _alias_calls("cpu")[i][0]()
+        assert str(fake.value) == str(native.value)
+
+
+def test_no_rows_and_bools_are_refused(device):
+    rows = topk_rows(1000, 10, count=2).to(device)
+    with pytest.raises(RuntimeError, match="payloads must hold at least one row, got 0"):
+        ops.sparse_accumulate(rows[:0], 1000, 10, 1, torch.float32, torch.float32)
+    x = gen(100, torch.float32).to(device)
+    bad = [
+        lambda: ops.topk_compress(x, None, True),
+        lambda: ops.topk_compress(x, None, 1, step=False),
+        lambda: ops.sparse_accumulate(rows, 1000, 10, True, torch.float32, torch.float32),
+        lambda: ops.randk_compress(x, None, 3, 0, 0, True),
+        lambda: ops.randk_decompress(x[:3], 100, 0, True, 0, 1, torch.float32),
+    ]
+    for call in bad:
+        with pytest.raises(TypeError, match=r"\w+: \w+ must be an int, got (True|False)"):
+            call()
+
+
 def test_fakes_raise_like_the_native_ops():
     # The fake implementations restate csrc/checks.h: under torch.compile a bad call fails
     # at trace time with the native op's exact error.
