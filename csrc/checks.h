@@ -6,6 +6,7 @@
 
 #include <climits>
 #include <optional>
+#include <utility>
 
 #include "numerics.h"
 
@@ -13,6 +14,34 @@ namespace ddpcomm {
 
 inline bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// True when a and b can share bytes of one storage, from metadata only (no data read, no device
+// synchronization): the same storage and intersecting spans from each one's first to last byte
+// (strides are never negative in torch; interleaved views count as overlapping).
+inline bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.is_alias_of(b)) return false;
+  auto span = [](const at::Tensor& t) {
+    int64_t last = t.storage_offset();
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const int64_t size = (int64_t)t.element_size();
+    return std::make_pair(t.storage_offset() * size, (last + 1) * size);
+  };
+  const auto sa = span(a), sb = span(b);
+  return sa.first < sb.second && sb.first < sa.second;
+}
+
+// An op reading `b` while writing `a` (or writing both) needs them apart: the kernels run in
+// parallel, so an overlap would give results that depend on thread timing.
+inline void check_apart(const at::Tensor& a, const char* a_arg, const at::Tensor& b,
+                        const char* b_arg, const char* op) {
+  TORCH_CHECK_VALUE(!may_overlap(a, b), op, ": ", a_arg, " and ", b_arg,
+                    " share memory; pass separate buffers");
+}
+
+inline void check_apart(const std::optional<at::Tensor>& a, const char* a_arg, const at::Tensor& b,
+                        const char* b_arg, const char* op) {
+  if (a) check_apart(*a, a_arg, b, b_arg, op);
 }
 
 inline void check_bits_block(int64_t bits, int64_t block_size, const char* op) {
@@ -58,7 +87,9 @@ inline void check_out(const at::Tensor& out, at::ScalarType dtype, int64_t numel
               device);
 }
 
-// `payloads` is one packed payload (dims 1) or N of them stacked as [N, bytes] (dims 2).
+// `payloads` is one packed payload (dims 1) or N >= 1 of them stacked as [N, bytes] (dims 2).
+// A payload carries no header: its size, exactly payload_bytes(numel, bits, block_size), is
+// what tells a payload of other settings apart (README, "Wire format", says what it cannot).
 inline void check_payloads(const at::Tensor& payloads, int64_t dims, int64_t numel, int64_t bits,
                            int64_t block_size, at::ScalarType dtype, const char* op) {
   check_bits_block(bits, block_size, op);
@@ -66,12 +97,15 @@ inline void check_payloads(const at::Tensor& payloads, int64_t dims, int64_t num
               payloads.scalar_type());
   TORCH_CHECK(payloads.dim() == dims, op, ": payloads must have ", dims, " dimension(s), got ",
               payloads.dim());
+  TORCH_CHECK(dims == 1 || payloads.size(0) >= 1, op,
+              ": payloads must hold at least one row, got 0");
   TORCH_CHECK(payloads.is_contiguous(), op, ": payloads must be contiguous");
   TORCH_CHECK(numel >= 0, op, ": numel must be >= 0, got ", numel);
   const int64_t need = payload_bytes(numel, block_size, (int)bits);
   const int64_t have = payloads.size(dims - 1);
-  TORCH_CHECK(have >= need, op, ": a payload of ", numel, " elements at bits=", bits,
-              ", block_size=", block_size, " needs ", need, " bytes, got ", have);
+  TORCH_CHECK(have == need, op, ": a payload of ", numel, " elements at bits=", bits,
+              ", block_size=", block_size, " needs ", need, " bytes, got ", have,
+              dims == 2 ? " per row" : "", " (made with other settings?)");
   TORCH_CHECK(is_supported_float(dtype), op, ": dtype must be float32, float16 or bfloat16, got ",
               dtype);
 }
@@ -86,6 +120,9 @@ inline void check_quantize(const at::Tensor& x, const std::optional<at::Tensor>&
   const char* op = "quantize";
   check_quantize_args(x, residual, bits, block_size, op);
   check_out(out, at::kByte, payload_bytes(x.numel(), block_size, (int)bits), x.device(), op);
+  check_apart(out, "out", x, "x", op);
+  check_apart(residual, "residual", x, "x", op);
+  check_apart(residual, "residual", out, "out", op);
 }
 
 // dequantize_sum_into: `out`'s numel and dtype say what to decode (ops.dequantize is one row
@@ -96,6 +133,7 @@ inline void check_dequantize_sum(const at::Tensor& payloads, const at::Tensor& o
   check_payloads(payloads, 2, out.numel(), bits, block_size, out.scalar_type(), op);
   check_out(out, out.scalar_type(), out.numel(), payloads.device(), op);
   TORCH_CHECK(divisor >= 1, op, ": divisor must be >= 1, got ", divisor);
+  check_apart(out, "out", payloads, "payloads", op);
 }
 
 // dequantize_sum_requantize_into: `out` holds at least the payload of numel elements.
@@ -108,6 +146,9 @@ inline void check_dequantize_sum_requantize(const at::Tensor& payloads,
   check_residual(residual, numel, payloads.device(), op);
   TORCH_CHECK(divisor >= 1, op, ": divisor must be >= 1, got ", divisor);
   check_out(out, at::kByte, payload_bytes(numel, block_size, (int)bits), payloads.device(), op);
+  check_apart(out, "out", payloads, "payloads", op);
+  check_apart(residual, "residual", payloads, "payloads", op);
+  check_apart(residual, "residual", out, "out", op);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -158,6 +199,7 @@ inline void check_sparse_payloads(const at::Tensor& payloads, int64_t numel, int
               payloads.scalar_type());
   TORCH_CHECK(payloads.dim() == 2, op, ": payloads must be [N, bytes] (2 dimensions), got ",
               payloads.dim(), " dimension(s)");
+  TORCH_CHECK(payloads.size(0) >= 1, op, ": payloads must hold at least one row, got 0");
   const int64_t need = topk_payload_bytes(k, at::elementSize(value_dtype));
   TORCH_CHECK(payloads.size(1) == need, op, ": a payload of k=", k, " entries with value_dtype ",
               value_dtype, " is ", need, " bytes, but payloads rows are ", payloads.size(1));
@@ -175,6 +217,9 @@ inline at::ScalarType check_topk_compress(const at::Tensor& x,
   check_topk_out(out, k, vtype, op);
   TORCH_CHECK(out.device() == x.device(), op, ": out is on ", out.device(), " but x is on ",
               x.device());
+  check_apart(out, "out", x, "x", op);
+  check_apart(residual, "residual", x, "x", op);
+  check_apart(residual, "residual", out, "out", op);
   return vtype;
 }
 
@@ -199,6 +244,11 @@ inline void check_sparse_accumulate(const at::Tensor& payloads, const at::Tensor
   TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
   TORCH_CHECK(out.device() == payloads.device(), op, ": out is on ", out.device(),
               " but payloads are on ", payloads.device());
+  check_apart(out, "out", payloads, "payloads", op);
+  if (out.scalar_type() != at::kFloat) {
+    check_apart(*scratch, "scratch", payloads, "payloads", op);
+    check_apart(*scratch, "scratch", out, "out", op);
+  }
 }
 
 // randk_compress_into: k = out.numel() values.
@@ -210,6 +260,9 @@ inline void check_randk_compress(const at::Tensor& x, const std::optional<at::Te
               ": out must be a contiguous float32 tensor of k elements, got ", out.scalar_type());
   TORCH_CHECK(out.device() == x.device(), op, ": out is on ", out.device(), " but x is on ",
               x.device());
+  check_apart(out, "out", x, "x", op);
+  check_apart(residual, "residual", x, "x", op);
+  check_apart(residual, "residual", out, "out", op);
 }
 
 // randk_decompress_into: numel = out.numel(), k = values.numel().
@@ -223,6 +276,7 @@ inline void check_randk_decompress(const at::Tensor& values, const at::Tensor& o
   check_divisor_dtype(divisor, out.scalar_type(), op);
   TORCH_CHECK(out.device() == values.device(), op, ": out is on ", out.device(),
               " but values are on ", values.device());
+  check_apart(out, "out", values, "values", op);
 }
 
 }  // namespace ddpcomm

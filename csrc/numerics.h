@@ -111,9 +111,21 @@ DDPC_HD bool is_finite(float x) { return x - x == 0.0f; }
 // Dequantization is m * (k / L) for signed code k, so the extreme codes give back exactly
 // +-m and a constant block round-trips losslessly.
 
-// Multiplier taking x to code units: L / m (b >= 2) or 1 / m (1-bit).
-DDPC_HD float block_inv(float m, int bits) {
-  return (bits == 1 ? 1.0f : (float)max_level(bits)) / m;
+// What takes x to code units: v = (x * pre) * inv, with inv = L / (m * pre) (b >= 2) or
+// 1 / (m * pre) (1-bit). pre is 1 for every block with m >= 2^-64, so v = x * (L / m). Below
+// that (a denormal absmax, say) L / m would overflow to Inf and turn codes into garbage, so
+// x and m are first scaled by pre = 2^64: exact for values this small, so the codes are the
+// ones an unbounded exponent would give and the half-step bound holds.
+struct BlockInv {
+  float inv;
+  float pre;
+};
+
+constexpr float kTinyMagnitude = 0x1p-64f;
+
+DDPC_HD BlockInv block_inv(float m, int bits) {
+  const float pre = m < kTinyMagnitude ? 0x1p64f : 1.0f;
+  return BlockInv{(bits == 1 ? 1.0f : (float)max_level(bits)) / (m * pre), pre};
 }
 
 // Deterministic 1-bit magnitude from the pairwise-tree sum of |x| (see block_tree_sum).
@@ -173,14 +185,14 @@ DDPC_HD bool block_is_degenerate(float m) { return !(m > 0.0f) || !is_finite(m);
 // The code of +0.
 DDPC_HD uint32_t degenerate_code(int bits) { return bits == 1 ? 1u : (uint32_t)max_level(bits); }
 
-DDPC_HD uint32_t quantize_one(float x, float inv, int bits, bool stochastic, float u) {
+DDPC_HD uint32_t quantize_one(float x, BlockInv inv, int bits, bool stochastic, float u) {
+  const float v = (x * inv.pre) * inv.inv;
   if (bits == 1) {
     if (!stochastic) return x >= 0.0f ? 1u : 0u;
     // P(+m) = (1 + x/m) / 2 makes E[deq] = x for |x| <= m.
-    return u < 0.5f * (1.0f + x * inv) ? 1u : 0u;
+    return u < 0.5f * (1.0f + v) ? 1u : 0u;
   }
   const float lmax = (float)max_level(bits);
-  const float v = x * inv;
   float r = stochastic ? floor_small(v + u) : round_even(v);
   r = r > lmax ? lmax : (r < -lmax ? -lmax : r);
   return (uint32_t)((int)r + max_level(bits));
@@ -216,6 +228,19 @@ DDPC_HD float block_tree_sum(float* buf, int64_t block) {
 // ---------------------------------------------------------------------------------------
 
 DDPC_HD uint32_t magnitude_key(float v) { return float_bits(v) & 0x7FFFFFFFu; }
+
+// A selected value goes on the wire saturated at its dtype's largest finite value, never
+// rounded to Inf: float16 holds only |v| <= 65504 (bfloat16 rounds to Inf just below
+// FLT_MAX). With error feedback the residual keeps e - sent, so nothing is lost. A
+// non-finite e is sent as it is, so every rank sees it.
+constexpr float kMaxFloat16 = 0x1.ffcp15f;   // 65504
+constexpr float kMaxBFloat16 = 0x1.fep127f;  // 3.3895314e38
+constexpr float kMaxFloat32 = 0x1.fffffep127f;
+
+DDPC_HD float saturate(float e, float max_finite) {
+  if (!is_finite(e)) return e;
+  return e > max_finite ? max_finite : (e < -max_finite ? -max_finite : e);
+}
 
 DDPC_HD int64_t topk_payload_bytes(int64_t k, int64_t value_bytes) { return k * (4 + value_bytes); }
 

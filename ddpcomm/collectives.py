@@ -232,7 +232,8 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
         try:
             fut.wait()
             with ctx.stats.timer():
-                ops.dequantize(gathered, n, bits, block, flat.dtype, out=flat)
+                # Whole chunks were gathered; the tensor's records are the first ones.
+                ops.dequantize(gathered[: q.payload_bytes(n)], n, bits, block, flat.dtype, out=flat)
                 if q.error_feedback:
                     ctx.reset_unless(_magnitudes_finite(gathered, rec))
             result.set_result(flat)

@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 
 import torch
 
-try:
-    from numpy import bool_ as numpy_bool
-except ImportError:  # numpy is optional for torch
-    numpy_bool = bool
+from ddpcomm.ops import check_int, numpy_bool
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -48,21 +44,6 @@ def dense_bytes(numel: int, world: int, element_size: int) -> int:
 def _check_bool(value, arg: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{arg} must be a bool, got {value!r}")
-    return value
-
-
-def check_int(value, arg: str, lo: int, hi: int | None = None) -> int:
-    """``value`` as an int: Python and numpy integers pass, bools and floats (even 8.0)
-    raise TypeError, values outside [lo, hi] ValueError."""
-    if isinstance(value, (bool, numpy_bool)):
-        raise TypeError(f"{arg} must be an int, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{arg} must be an int, got {value!r}") from None
-    if value < lo or (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{arg} must be {bound}, got {value}")
     return value
 
 

@@ -12,7 +12,14 @@ with the reason: ddpcomm never falls back to ``reference.py`` behind the caller'
 
 from __future__ import annotations
 
+import operator
+
 import torch
+
+try:
+    from numpy import bool_ as numpy_bool
+except ImportError:  # numpy is optional for torch
+    numpy_bool = bool
 
 try:
     from ddpcomm import _C
@@ -36,6 +43,28 @@ def build_info() -> dict:
 def payload_bytes(numel: int, bits: int, block_size: int) -> int:
     """Bytes of the packed payload for ``numel`` values (csrc/numerics.h layout)."""
     return (numel + block_size - 1) // block_size * (4 + block_size * bits // 8)
+
+
+def check_int(value, arg: str, lo: int, hi: int | None = None) -> int:
+    """``value`` as an int: Python and numpy integers pass, bools and floats (even 8.0)
+    raise TypeError, values outside [lo, hi] ValueError."""
+    if isinstance(value, (bool, numpy_bool)):
+        raise TypeError(f"{arg} must be an int, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{arg} must be an int, got {value!r}") from None
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{arg} must be {bound}, got {value}")
+    return value
+
+
+def _check_ints(op: str, **args) -> None:
+    """The integer arguments of an op: the dispatcher takes ``True`` for 1, so a bool is
+    refused here, by name, before it becomes one."""
+    for arg, value in args.items():
+        check_int(value, f"{op}: {arg}", -(2**63))
 
 
 # --------------------------------------------------------------------------------------
@@ -68,6 +97,28 @@ def _name(dtype: torch.dtype) -> str:
 def _check(ok, message: str) -> None:
     if not ok:
         raise RuntimeError(message)
+
+
+def _may_overlap(a, b) -> bool:
+    """checks.h may_overlap: one storage and intersecting first-to-last byte spans (metadata
+    only, so it works on fake and meta tensors too)."""
+    if a.numel() == 0 or b.numel() == 0 or not torch._C._is_alias_of(a, b):
+        return False
+
+    def span(t):
+        last = t.storage_offset() + sum(
+            (n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)
+        )
+        return t.storage_offset() * t.element_size(), (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _check_apart(a, a_arg, b, b_arg, op) -> None:
+    """checks.h check_apart (ValueError, as TORCH_CHECK_VALUE raises)."""
+    if a is not None and _may_overlap(a, b):
+        raise ValueError(f"{op}: {a_arg} and {b_arg} share memory; pass separate buffers")
 
 
 def _check_bits_block(bits, block_size, op):
@@ -116,13 +167,15 @@ def _check_payloads(payloads, dims, numel, bits, block_size, dtype, op):
         payloads.dim() == dims,
         f"{op}: payloads must have {dims} dimension(s), got {payloads.dim()}",
     )
+    _check(dims == 1 or payloads.shape[0] >= 1, f"{op}: payloads must hold at least one row, got 0")
     _check(payloads.is_contiguous(), f"{op}: payloads must be contiguous")
     _check(numel >= 0, f"{op}: numel must be >= 0, got {numel}")
     need, have = payload_bytes(numel, bits, block_size), payloads.shape[dims - 1]
     _check(
-        have >= need,
+        have == need,
         f"{op}: a payload of {numel} elements at bits={bits}, block_size={block_size} "
-        f"needs {need} bytes, got {have}",
+        f"needs {need} bytes, got {have}{' per row' if dims == 2 else ''} (made with other "
+        "settings?)",
     )
     _check(
         dtype in _FLOATS,
@@ -176,6 +229,7 @@ def _check_sparse_payloads(payloads, numel, k, value_dtype, op):
         payloads.dim() == 2,
         f"{op}: payloads must be [N, bytes] (2 dimensions), got {payloads.dim()} dimension(s)",
     )
+    _check(payloads.shape[0] >= 1, f"{op}: payloads must hold at least one row, got 0")
     need = topk_payload_bytes(k, value_dtype)
     _check(
         payloads.shape[1] == need,
@@ -217,6 +271,9 @@ def quantize(
     >>> p.numel(), p[:4].view(torch.float32).item(), p[4:8].tolist()
     (36, 1.0, [254, 63, 159, 127])
     """
+    _check_ints(
+        "quantize", bits=bits, block_size=block_size, seed=seed, step=step, rng_offset=rng_offset
+    )
     if out is None:
         _check_bits_block(bits, block_size, "quantize")
         out = x.new_empty(payload_bytes(x.numel(), bits, block_size), dtype=torch.uint8)
@@ -238,12 +295,14 @@ def dequantize(
     sum of one payload starts from 0 and x / 1 == x.
     """
     op = "dequantize"
+    _check_ints(op, numel=numel, bits=bits, block_size=block_size)
     _check_payloads(packed, 1, numel, bits, block_size, dtype, op)
     if out is None:
         out = packed.new_empty(numel, dtype=dtype)
     else:
         _check_out(out, numel, dtype, op)
         _check_out_buffer(out, dtype, numel, packed.device, op)
+        _check_apart(out, "out", packed, "packed", op)
     _ops.dequantize_sum_into(packed.view(1, -1), out, bits, block_size, 1)
     return out
 
@@ -257,7 +316,12 @@ def dequantize_sum(
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Row-order fp32 sum of the [N, P] payloads' values, divided by ``divisor``."""
+    """Row-order fp32 sum of the [N, P] payloads' values, divided by ``divisor``.
+
+    N >= 1, and P is exactly ``payload_bytes(numel, bits, block_size)``: a payload of other
+    settings (another bit width, say) has another size and raises instead of decoding.
+    """
+    _check_ints("dequantize_sum", numel=numel, bits=bits, block_size=block_size, divisor=divisor)
     if out is None:
         _check_payloads(payloads, 2, numel, bits, block_size, dtype, "dequantize_sum")
         out = payloads.new_empty(numel, dtype=dtype)
@@ -281,6 +345,16 @@ def dequantize_sum_requantize(
 ) -> torch.Tensor:
     """Owner step of the two-phase all-reduce: sum, divide, re-quantize, in one pass."""
     op = "dequantize_sum_requantize"
+    _check_ints(
+        op,
+        numel=numel,
+        bits=bits,
+        block_size=block_size,
+        divisor=divisor,
+        seed=seed,
+        step=step,
+        rng_offset=rng_offset,
+    )
     _check_payloads(payloads, 2, numel, bits, block_size, torch.float32, op)
     out = payloads.new_empty(payload_bytes(numel, bits, block_size), dtype=torch.uint8)
     _ops.dequantize_sum_requantize_into(
@@ -306,6 +380,9 @@ def _(x, residual, out, bits, block_size, stochastic=False, seed=0, step=0, rng_
     _check_float_tensor(x, "x", op)
     _check_residual(residual, x.numel(), x.device, op)
     _check_out_buffer(out, torch.uint8, payload_bytes(x.numel(), bits, block_size), x.device, op)
+    _check_apart(out, "out", x, "x", op)
+    _check_apart(residual, "residual", x, "x", op)
+    _check_apart(residual, "residual", out, "out", op)
 
 
 @torch.library.register_fake("ddpcomm::dequantize_sum_into")
@@ -314,6 +391,7 @@ def _(payloads, out, bits, block_size, divisor):
     _check_payloads(payloads, 2, out.numel(), bits, block_size, out.dtype, op)
     _check_out_buffer(out, out.dtype, out.numel(), payloads.device, op)
     _check(divisor >= 1, f"{op}: divisor must be >= 1, got {divisor}")
+    _check_apart(out, "out", payloads, "payloads", op)
 
 
 @torch.library.register_fake("ddpcomm::dequantize_sum_requantize_into")
@@ -336,6 +414,9 @@ def _(
     _check(divisor >= 1, f"{op}: divisor must be >= 1, got {divisor}")
     need = payload_bytes(numel, bits, block_size)
     _check_out_buffer(out, torch.uint8, need, payloads.device, op)
+    _check_apart(out, "out", payloads, "payloads", op)
+    _check_apart(residual, "residual", payloads, "payloads", op)
+    _check_apart(residual, "residual", out, "out", op)
 
 
 # --------------------------------------------------------------------------------------
@@ -349,10 +430,19 @@ def _tensor_list(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], op: str
         raise TypeError(
             f"{op}: tensors must be a list or tuple of tensors, got {type(tensors).__name__}"
         )
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
-        i, t = next((i, t) for i, t in enumerate(tensors) if not isinstance(t, torch.Tensor))
-        raise TypeError(f"{op}: tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        # A sparse tensor would reach the dispatcher, which has no sparse kernel to name.
+        _check_strided(t, f"tensors[{i}]", op)
     return tensors
+
+
+def _check_strided(t: torch.Tensor, arg: str, op: str) -> None:
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"{op}: {arg} must be a strided (dense) tensor, got layout {_layout(t.layout)}"
+        )
 
 
 def flatten(
@@ -386,6 +476,7 @@ def flatten(
         return _ops.flatten(tensors)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"flatten: out must be a torch.Tensor or None, got {type(out).__name__}")
+    _check_strided(out, "out", "flatten_into")
     _ops.flatten_into(tensors, out)
     return out
 
@@ -410,6 +501,7 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor] | tuple[torch
     tensors = _tensor_list(tensors, "unflatten_into")
     if not isinstance(flat, torch.Tensor):
         raise TypeError(f"unflatten_into: flat must be a torch.Tensor, got {type(flat).__name__}")
+    _check_strided(flat, "flat", "unflatten_into")
     _ops.unflatten_into(flat, tensors)
 
 
@@ -430,11 +522,7 @@ def _layout(layout: torch.layout) -> str:
 def _check_flatten_list(tensors, dtype, device, ref, op):
     """The fake-tensor twin of csrc/flatten.h check_flatten_list (same errors)."""
     for i, t in enumerate(tensors):
-        if t.layout != torch.strided:
-            raise TypeError(
-                f"{op}: tensors[{i}] must be a strided (dense) tensor, got layout "
-                f"{_layout(t.layout)}"
-            )
+        _check_strided(t, f"tensors[{i}]", op)
         if t.dtype != dtype:
             raise TypeError(
                 f"{op}: tensors[{i}] has dtype {_name(t.dtype)} but {ref} has {_name(dtype)}; "
@@ -508,18 +596,21 @@ def topk_compress(
     """Selects ``k`` entries of e = x (+ ``residual``) by magnitude and packs them.
 
     Returns one uint8 buffer: k int32 indices in ascending order, then their values in
-    ``value_dtype`` (float32 when None). With a residual (error feedback), the residual
-    becomes e at every unselected entry and what the value cast lost at the selected ones
-    (0 for float32 values). Exact mode (default) picks the k largest |e|, ties to the lower
-    index; approximate mode derives its threshold from a sample keyed by (seed, step).
-    NaN and Inf rank above every finite magnitude. See reference.topk_compress. With
-    ``out`` (uint8, exactly ``topk_payload_bytes(k, value_dtype)`` long) the payload is
-    written there and ``out`` returned.
+    ``value_dtype`` (float32 when None); a finite value beyond the dtype's range is sent as
+    its largest finite value (65504 for float16), not Inf. With a residual (error feedback),
+    the residual becomes e at every unselected entry and what the value cast (and that
+    saturation) lost at the selected ones (0 for float32 values). Exact mode (default)
+    picks the k largest |e|, ties to the lower index; approximate mode derives its
+    threshold from a sample keyed by (seed, step). NaN and Inf rank above every finite
+    magnitude. See reference.topk_compress. With ``out`` (uint8, exactly
+    ``topk_payload_bytes(k, value_dtype)`` long) the payload is written there and ``out``
+    returned.
 
     >>> p = topk_compress(torch.tensor([0.5, -3.0, 1.0, 2.0]), None, 2)
     >>> p[:8].view(torch.int32).tolist(), p[8:].view(torch.float32).tolist()
     ([1, 3], [-3.0, 2.0])
     """
+    _check_ints("topk_compress", k=k, seed=seed, step=step)
     if out is None:
         op = "topk_compress"
         vdtype = torch.float32 if value_dtype is None else value_dtype
@@ -555,6 +646,7 @@ def sparse_accumulate(
     sums, but nothing is written outside ``out``.
     """
     op = "sparse_accumulate"
+    _check_ints(op, numel=numel, k=k, divisor=divisor)
     if out is None:
         _check_sparse_numel_k(numel, k, op)
         _check_divisor_dtype(divisor, dtype, op)
@@ -576,6 +668,7 @@ def randk_compress(
     ones and the values can be all-reduced directly. With a residual it becomes e, and 0 at
     the sent entries.
     """
+    _check_ints("randk_compress", k=k, seed=seed, step=step, bucket=bucket)
     _check_sparse_input(x, residual, k, "randk_compress")
     out = x.new_empty(k, dtype=torch.float32)
     _ops.randk_compress_into(x, residual, out, seed, step, bucket)
@@ -595,6 +688,7 @@ def randk_decompress(
     """Dense ``numel`` tensor holding ``values / divisor`` at the random-k indices, else 0
     (written into ``out`` when given)."""
     op = "randk_decompress"
+    _check_ints(op, numel=numel, seed=seed, step=step, bucket=bucket, divisor=divisor)
     if out is None:
         _check_divisor_dtype(divisor, dtype, op)
         _check_sparse_numel_k(numel, values.numel(), op)
@@ -613,6 +707,9 @@ def _(x, residual, out, k, approximate=False, seed=0, step=0, value_dtype=None):
     _check_value_dtype(vdtype, op)
     _check_topk_out(out, k, vdtype, op)
     _check(out.device == x.device, f"{op}: out is on {out.device} but x is on {x.device}")
+    _check_apart(out, "out", x, "x", op)
+    _check_apart(residual, "residual", x, "x", op)
+    _check_apart(residual, "residual", out, "out", op)
 
 
 @torch.library.register_fake("ddpcomm::sparse_accumulate_into")
@@ -638,6 +735,10 @@ def _(payloads, out, scratch, k, divisor, value_dtype, check=True):
         out.device == payloads.device,
         f"{op}: out is on {out.device} but payloads are on {payloads.device}",
     )
+    _check_apart(out, "out", payloads, "payloads", op)
+    if out.dtype != torch.float32:
+        _check_apart(scratch, "scratch", payloads, "payloads", op)
+        _check_apart(scratch, "scratch", out, "out", op)
 
 
 @torch.library.register_fake("ddpcomm::randk_compress_into")
@@ -649,6 +750,9 @@ def _(x, residual, out, seed, step, bucket):
         f"{op}: out must be a contiguous float32 tensor of k elements, got {_name(out.dtype)}",
     )
     _check(out.device == x.device, f"{op}: out is on {out.device} but x is on {x.device}")
+    _check_apart(out, "out", x, "x", op)
+    _check_apart(residual, "residual", x, "x", op)
+    _check_apart(residual, "residual", out, "out", op)
 
 
 @torch.library.register_fake("ddpcomm::randk_decompress_into")
@@ -663,3 +767,4 @@ def _(values, out, seed, step, bucket, divisor):
         out.device == values.device,
         f"{op}: out is on {out.device} but values are on {values.device}",
     )
+    _check_apart(out, "out", values, "values", op)

@@ -142,10 +142,16 @@ def _magnitudes(e: torch.Tensor, valid: torch.Tensor, bits: int, stochastic: boo
     return torch.where(finite, m, torch.full_like(m, float("nan")))
 
 
+# numerics.h block_inv: blocks with m < 2^-64 are quantized with x and m scaled by 2^64
+# (exact), where L / m would overflow; every other block uses v = x * (L / m).
+TINY_MAGNITUDE = 2.0**-64
+
+
 def _codes(e, m, bits, stochastic, seed, step, rng_offset):
     lmax = max_level(bits)
-    inv = torch.tensor(1.0 if bits == 1 else float(lmax), dtype=torch.float32) / m
-    v = e * inv[:, None]
+    pre = torch.where(m < TINY_MAGNITUDE, 2.0**64, 1.0)
+    inv = torch.tensor(1.0 if bits == 1 else float(lmax), dtype=torch.float32) / (m * pre)
+    v = (e * pre[:, None]) * inv[:, None]
     if stochastic:
         idx = torch.arange(e.numel(), dtype=torch.int64) + rng_offset
         u = rng_uniform(seed, step, idx).view_as(e)
@@ -369,8 +375,10 @@ def topk_compress(
     key >= T the result is the exact one (they include the exact top k), otherwise it is
     those entries plus the lowest-index entries below T, k in all.
     The payload holds the indices ascending, then e at them cast to value_dtype (default
-    float32). With a residual: residual = e, except residual[i] = e[i] - float(value[i]) at
-    the selected entries (0 for float32 values).
+    float32), a finite e first saturated at the dtype's largest finite value (65504 for
+    float16), so it never becomes Inf on the wire. With a residual: residual = e, except
+    residual[i] = e[i] - float(value[i]) at the selected entries (0 for float32 values; the
+    excess over 65504 of a saturated float16 value).
     """
     vdtype = value_dtype or torch.float32
     e = x.reshape(-1).float()
@@ -378,7 +386,10 @@ def topk_compress(
         e = e + residual.reshape(-1)
     e = canonical(e)  # every NaN one key: NaNs rank among themselves by index
     idx = _topk_indices(e, k, approximate, seed, step)
-    values = canonical(e[idx].to(vdtype))
+    picked = e[idx]
+    top = torch.finfo(vdtype).max
+    picked = torch.where(picked.isfinite(), picked.clamp(-top, top), picked)
+    values = canonical(picked.to(vdtype))
     if residual is not None:
         new = e.clone()
         new[idx] = canonical(e[idx] - values.float())

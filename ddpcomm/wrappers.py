@@ -161,11 +161,24 @@ _REDUCIBLE = (
 )
 
 
+def _check_plain(t: torch.Tensor, arg: str) -> None:
+    """Dense, and not a subclass that reroutes every op (FakeTensor, DTensor, ...): the
+    reduction runs through collectives and native ops that would see its inner tensors, or
+    none, and fail later inside a callback."""
+    if t.layout != torch.strided:
+        raise TypeError(f"{arg} must be a dense (strided) tensor, got layout {t.layout}")
+    if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        raise TypeError(
+            f"{arg} is a {type(t).__name__}, a tensor subclass with its own "
+            "__torch_dispatch__; ddpcomm.all_reduce reduces plain tensors (pass the local "
+            "torch.Tensor it wraps)"
+        )
+
+
 def _check_tensor(t, arg: str, compressor: Compressor, op) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise TypeError(f"{arg} must be a dense (strided) tensor, got layout {t.layout}")
+    _check_plain(t, arg)
     if t.device.type == "meta":
         raise ValueError(f"{arg} is on the meta device, which holds no values to reduce")
     compressor.check_tensor(t, arg)
@@ -196,8 +209,7 @@ def _group_by_dtype(tensors, compressor: Compressor, op, pg) -> dict[torch.dtype
         if members is None:
             _check_tensor(t, f"tensors[{i}]", compressor, op)
             members = groups[t.dtype] = []
-        if t.layout != torch.strided:
-            raise TypeError(f"tensors[{i}] must be a dense (strided) tensor, got {t.layout}")
+        _check_plain(t, f"tensors[{i}]")
         if device is None:
             device = t.device
             _check_device(t, f"tensors[{i}]", pg)

@@ -5,9 +5,10 @@ argument (and the allowed values where there is a list of them). The counts per 
 may only grow: ``test_count_only_grows`` fails when a row is dropped. Rows that reach a
 collective run on an in-process one-rank gloo group.
 
-Left for the native op layer (ddpcomm/ops.py, csrc/), not here: aliasing checks in
-quantize_into / sparse_accumulate_into, bool where an op takes an int, flatten([]) and
-sparse tensors to flatten, the half-step bound when a block's absmax is denormal.
+The op layer's rows (ops, payloads, flatten) call ddpcomm.ops as a user of the ops would;
+its numerics (the half-step bound for denormal block magnitudes, float16 top-k values that
+saturate instead of overflowing) are properties, not errors, and are tested in
+tests/test_ops_quantize.py and tests/test_ops_sparse.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import ddpcomm
-from ddpcomm import collectives, compressors
+from ddpcomm import collectives, compressors, ops
 from ddpcomm.compressors import Quantizer, RandomK, TopK
 from ddpcomm.context import ReduceContext, ResidualMemory
 
@@ -60,6 +61,50 @@ def _env(value):
 
 _GOOD_SD = ddpcomm.QuantizeState(4, error_feedback=True).state_dict()
 _X = torch.randn(8)
+_Y = torch.randn(1000)
+_Q8 = ops.quantize(_Y, None, 8, 64)  # 1088 bytes
+_TOPK = ops.topk_compress(_Y, None, 10)[None]  # one row of k=10 entries
+_F32 = torch.float32
+
+
+def _dequantize_in_place(rows: bool):
+    """Decodes a q8 payload of _Y into 1000 float32 that start on the payload's bytes."""
+    buf = torch.zeros(4000, dtype=torch.uint8)
+    packed, out = buf[: _Q8.numel()], buf.view(_F32)
+    packed.copy_(_Q8)
+    if rows:
+        return ops.dequantize_sum(packed[None], 1000, 8, 64, 1, _F32, out=out)
+    return ops.dequantize(packed, 1000, 8, 64, _F32, out=out)
+
+
+def _residual_in_out():
+    b = torch.zeros(64)
+    return ops.quantize(_Y[:8].clone(), b[:8], 8, 64, out=b[4:].view(torch.uint8))
+
+
+def _requantize_in_place():
+    p = _Q8[None].clone()
+    torch.ops.ddpcomm.dequantize_sum_requantize_into(p, None, p[0], 1000, 8, 64, 1)
+
+
+def _accumulate_in_place():
+    buf = torch.zeros(160, dtype=torch.uint8)
+    return ops.sparse_accumulate(buf[:80][None], 20, 10, 1, _F32, _F32, out=buf.view(_F32)[:20])
+
+
+def _fake(spec="q8", op="mean"):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        t = torch.ones(8)
+    return ddpcomm.all_reduce(t, spec, op=op)
+
+
+def _two_tensor():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    return TwoTensor(torch.ones(8), torch.ones(8))
+
 
 # (category, label, call, exception, match)
 ROWS = [
@@ -165,6 +210,86 @@ ROWS = [
     ("env", "timeout 0", _env("0"), ValueError, "must be > 0"),
     ("env", "timeout -1", _env("-1"), ValueError, "must be > 0"),
     ("env", "timeout nan", _env("nan"), ValueError, "must be > 0"),
+    # Native ops: a bool where an int goes (the dispatcher takes True for 1)
+    ("ops", "bits True", lambda: ops.quantize(_Y, None, True, 64), TypeError,
+     "quantize: bits must be an int, got True"),
+    ("ops", "seed False", lambda: ops.quantize(_Y, None, 8, 64, True, seed=False), TypeError,
+     "quantize: seed must be an int"),
+    ("ops", "numel True", lambda: ops.dequantize(_Q8, True, 8, 64, _F32), TypeError,
+     "dequantize: numel must be an int"),
+    ("ops", "divisor True", lambda: ops.dequantize_sum(_Q8[None], 1000, 8, 64, True, _F32),
+     TypeError, "dequantize_sum: divisor must be an int"),
+    ("ops", "requantize step", lambda: ops.dequantize_sum_requantize(
+        _Q8[None], None, 1000, 8, 64, 1, step=True), TypeError, "step must be an int"),
+    ("ops", "topk k True", lambda: ops.topk_compress(_Y, None, True), TypeError,
+     "topk_compress: k must be an int"),
+    ("ops", "accumulate divisor", lambda: ops.sparse_accumulate(
+        _TOPK, 1000, 10, True, _F32, _F32), TypeError, "sparse_accumulate: divisor must be"),
+    ("ops", "randk bucket", lambda: ops.randk_compress(_Y, None, 10, 0, 0, True), TypeError,
+     "randk_compress: bucket must be an int"),
+    ("ops", "randk step", lambda: ops.randk_decompress(_Y[:10], 1000, 0, True, 0, 1, _F32),
+     TypeError, "randk_decompress: step must be an int"),
+    # Native ops: an output that shares memory with an input or another output
+    ("ops", "quantize out=x", lambda: ops.quantize(_Y, None, 8, 64, out=_Y.view(torch.uint8)),
+     ValueError, "quantize: out and x share memory"),
+    ("ops", "residual=x", lambda: ops.quantize(_Y, _Y, 8, 64), ValueError,
+     "quantize: residual and x share memory"),
+    ("ops", "residual in out", _residual_in_out, ValueError,
+     "quantize: residual and out share memory"),
+    ("ops", "dequantize out", lambda: _dequantize_in_place(False), ValueError,
+     "dequantize: out and packed share memory"),
+    ("ops", "dequantize_sum out", lambda: _dequantize_in_place(True), ValueError,
+     "dequantize_sum: out and payloads share memory"),
+    ("ops", "requantize out", _requantize_in_place, ValueError,
+     "dequantize_sum_requantize: out and payloads share memory"),
+    ("ops", "topk out=x", lambda: ops.topk_compress(_Y, None, 10, out=_Y.view(torch.uint8)[:80]),
+     ValueError, "topk_compress: out and x share memory"),
+    ("ops", "topk residual=x", lambda: ops.topk_compress(_Y, _Y, 10), ValueError,
+     "topk_compress: residual and x share memory"),
+    ("ops", "accumulate out", _accumulate_in_place, ValueError,
+     "sparse_accumulate: out and payloads share memory"),
+    ("ops", "randk residual=x", lambda: ops.randk_compress(_Y, _Y, 10, 0, 0, 0), ValueError,
+     "randk_compress: residual and x share memory"),
+    ("ops", "randk out=values", lambda: ops.randk_decompress(
+        _Y[:10], 1000, 0, 0, 0, 1, _F32, out=_Y), ValueError,
+     "randk_decompress: out and values share memory"),
+    # Payloads: a payload's exact size must be what its settings make
+    ("payloads", "q8 read as q4", lambda: ops.dequantize(_Q8, 1000, 4, 64, _F32), RuntimeError,
+     "needs 576 bytes, got 1088"),
+    ("payloads", "q8 read as q2", lambda: ops.dequantize(_Q8, 1000, 2, 64, _F32), RuntimeError,
+     "needs 320 bytes, got 1088"),
+    ("payloads", "q8 read as q1", lambda: ops.dequantize_sum(_Q8[None], 1000, 1, 64, 1, _F32),
+     RuntimeError, "needs 192 bytes, got 1088 per row"),
+    ("payloads", "other block", lambda: ops.dequantize(_Q8, 1000, 8, 128, _F32), RuntimeError,
+     "needs 1056 bytes, got 1088"),
+    ("payloads", "other numel", lambda: ops.dequantize(_Q8, 2000, 8, 64, _F32), RuntimeError,
+     "needs 2176 bytes, got 1088"),
+    ("payloads", "oversized", lambda: ops.dequantize(torch.cat([_Q8, _Q8]), 1000, 8, 64, _F32),
+     RuntimeError, "needs 1088 bytes, got 2176"),
+    ("payloads", "truncated", lambda: ops.dequantize(_Q8[:-4], 1000, 8, 64, _F32), RuntimeError,
+     "needs 1088 bytes, got 1084"),
+    ("payloads", "requantize other bits", lambda: ops.dequantize_sum_requantize(
+        _Q8[None], None, 1000, 4, 64, 1), RuntimeError, "needs 576 bytes, got 1088 per row"),
+    ("payloads", "no rows", lambda: ops.dequantize_sum(_Q8[None][:0], 1000, 8, 64, 1, _F32),
+     RuntimeError, "payloads must hold at least one row, got 0"),
+    ("payloads", "no rows requantize", lambda: ops.dequantize_sum_requantize(
+        _Q8[None][:0], None, 1000, 8, 64, 1), RuntimeError, "at least one row"),
+    ("payloads", "no top-k rows", lambda: ops.sparse_accumulate(_TOPK[:0], 1000, 10, 1, _F32,
+     _F32), RuntimeError, "sparse_accumulate: payloads must hold at least one row"),
+    ("payloads", "top-k as float16", lambda: ops.sparse_accumulate(
+        _TOPK, 1000, 10, 1, torch.float16, _F32), RuntimeError, "payloads rows are 80"),
+    # Multi-tensor flatten
+    ("flatten", "empty", lambda: ops.flatten([]), ValueError, "tensors must not be empty"),
+    ("flatten", "sparse", lambda: ops.flatten([torch.ones(3).to_sparse()]), TypeError,
+     r"flatten: tensors\[0\] must be a strided \(dense\) tensor, got layout Sparse"),
+    ("flatten", "sparse second", lambda: ops.flatten([_X, torch.ones(3).to_sparse()]),
+     TypeError, r"tensors\[1\] must be a strided"),
+    ("flatten", "sparse out", lambda: ops.flatten([_X], out=torch.zeros(8).to_sparse()),
+     TypeError, "flatten_into: out must be a strided"),
+    ("flatten", "sparse flat", lambda: ops.unflatten_into(_X.to_sparse(), [_X.clone()]),
+     TypeError, "unflatten_into: flat must be a strided"),
+    ("flatten", "sparse dest", lambda: ops.unflatten_into(_X, [torch.zeros(8).to_sparse()]),
+     TypeError, r"unflatten_into: tensors\[0\] must be a strided"),
 ]  # fmt: skip
 
 
@@ -220,6 +345,12 @@ GROUP_ROWS = [
         [_X, torch.arange(3)], "q8"), TypeError, r"tensors\[1\] has dtype"),
     ("wrappers", "shared memory", lambda: ddpcomm.all_reduce_coalesced([_X, _X[1:3]], op="sum"),
      ValueError, "share memory"),
+    ("wrappers", "FakeTensor q8", lambda: _fake(), TypeError, "tensor is a FakeTensor"),
+    ("wrappers", "FakeTensor sum", lambda: _fake("none", "sum"), TypeError, "FakeTensor"),
+    ("wrappers", "TwoTensor q8", lambda: ddpcomm.all_reduce(_two_tensor(), "q8"), TypeError,
+     "tensor is a TwoTensor, a tensor subclass with its own __torch_dispatch__"),
+    ("wrappers", "TwoTensor list", lambda: ddpcomm.all_reduce_coalesced([_X, _two_tensor()]),
+     TypeError, r"tensors\[1\] is a TwoTensor"),
 ]  # fmt: skip
 
 # The count per category may only grow.
@@ -231,7 +362,10 @@ EXPECTED_AT_LEAST = {
     "state_dict": 12,
     "hooks": 5,
     "env": 4,
-    "wrappers": 27,
+    "wrappers": 31,
+    "ops": 20,
+    "payloads": 12,
+    "flatten": 6,
 }
 
 
@@ -293,18 +427,18 @@ def test_loaded_before_init_checked_at_first_hook_call(one_rank_group, monkeypat
         ddpcomm.quantize_hook(state, _Bucket(torch.ones(4), [torch.ones(4)]))
 
 
-def test_topk_float16_values_overflow_to_non_finite(one_rank_group):
-    """Documented: value_dtype=float16 carries |values| up to 65504. A larger selected
-    value goes on the wire as inf: the output is non-finite on every rank (AMP's
-    GradScaler skips the step) and the residual is reset, not poisoned. bfloat16 has
-    float32's range at the same size."""
+def test_topk_float16_values_saturate_and_feed_back(one_rank_group):
+    """value_dtype=float16 carries |values| up to 65504: a larger selected value goes on
+    the wire as +-65504 (not Inf), the residual keeps the rest, and the next step sends it,
+    so the output stays finite and nothing is lost. Inf and NaN still go out as they are
+    (tests/test_ops_sparse.py), so a non-finite step is still non-finite everywhere."""
     memory = ResidualMemory()
     x = torch.zeros(1000)
     x[3] = 1e5
     c = TopK(0.01, value_dtype=torch.float16)
     out = collectives.all_reduce_mean(x.clone(), c, ReduceContext(memory=memory)).wait()
-    assert not bool(out[3].isfinite())
-    assert all(bool((b == 0).all()) for b in memory.buffers.values())
-    c = TopK(0.01, value_dtype=torch.bfloat16)
-    out = collectives.all_reduce_mean(x.clone(), c, ReduceContext(memory=ResidualMemory())).wait()
-    assert bool(out.isfinite().all())
+    assert out[3].item() == 65504.0 and bool(out.isfinite().all())
+    (residual,) = memory.buffers.values()
+    assert residual[3].item() == 1e5 - 65504
+    out = collectives.all_reduce_mean(torch.zeros(1000), c, ReduceContext(memory=memory)).wait()
+    assert out[3].item() == 1e5 - 65504 and not bool(residual.any())

@@ -324,6 +324,32 @@ def test_fake_tensors_give_the_shape():
             TypeError,
             r"tensors\[0\] must be a torch",
         ),
+        # Sparse tensors: ddpcomm's error, not the dispatcher's "no SparseCPU kernel".
+        (
+            lambda: ops.flatten([torch.ones(2), torch.ones(3).to_sparse()]),
+            TypeError,
+            r"flatten: tensors\[1\] must be a strided \(dense\) tensor, got layout Sparse",
+        ),
+        (
+            lambda: ops.flatten([torch.eye(3).to_sparse_csr()], out=torch.empty(9)),
+            TypeError,
+            r"tensors\[0\] must be a strided \(dense\) tensor, got layout SparseCsr",
+        ),
+        (
+            lambda: ops.flatten([torch.ones(3)], out=torch.zeros(3).to_sparse()),
+            TypeError,
+            "flatten_into: out must be a strided",
+        ),
+        (
+            lambda: ops.unflatten_into(torch.ones(3).to_sparse(), [torch.ones(3)]),
+            TypeError,
+            "unflatten_into: flat must be a strided",
+        ),
+        (
+            lambda: ops.unflatten_into(torch.ones(3), [torch.zeros(3).to_sparse()]),
+            TypeError,
+            r"unflatten_into: tensors\[0\] must be a strided",
+        ),
     ],
 )
 def test_bad_arguments(call, exc, match):

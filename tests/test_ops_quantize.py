@@ -277,7 +277,7 @@ def test_dequantize_sum_matches_reference(device, bits, dtype):
 def test_dequantize_sum_arbitrary_rows(device, block, bits, dtype):
     sizes = [0, 1, block - 1, block + 1] + (LARGE if device == "cuda" else [])
     for n in sizes:
-        for rows, divisor in ((1, 1), (3, 3), (4, 7), (0, 2)):
+        for rows, divisor in ((1, 1), (3, 3), (4, 7)):
             p = random_payload_rows(rows, n, bits, block, seed=n + rows)
             got = ops.dequantize_sum(p.to(device), n, bits, block, divisor, dtype)
             assert_same_bits(got, oracle(device).dequantize_sum(p, n, bits, block, divisor, dtype))
@@ -285,14 +285,15 @@ def test_dequantize_sum_arbitrary_rows(device, block, bits, dtype):
 
 @pytest.mark.parametrize("bits", BITS)
 def test_dequantize_unaligned_payloads(device, bits):
-    # A payload that starts at an odd byte, and rows whose stride is not a multiple of 4:
-    # the byte-wise read path on CUDA.
+    # Payloads that start at an odd byte (rows, exactly payload_bytes long, are whole records
+    # of 4 + B * bits / 8 bytes, a multiple of 4): the byte-wise read path on CUDA.
     n, block, rows = 5000, 128, 3
     p = random_payload_rows(rows, n, bits, block, seed=bits)
-    padded = torch.zeros(rows, p.shape[1] + 3, dtype=torch.uint8)
-    padded[:, : p.shape[1]] = p
-    got = ops.dequantize_sum(padded.to(device), n, bits, block, 3, torch.float32)
-    assert_same_bits(got, oracle(device).dequantize_sum(padded, n, bits, block, 3, torch.float32))
+    shifted = torch.zeros(p.numel() + 3, dtype=torch.uint8)
+    shifted[3:] = p.reshape(-1)
+    odd = shifted[3:].view(rows, -1)
+    got = ops.dequantize_sum(odd.to(device), n, bits, block, 3, torch.float32)
+    assert_same_bits(got, oracle(device).dequantize_sum(odd, n, bits, block, 3, torch.float32))
     flat = torch.zeros(p.shape[1] + 1, dtype=torch.uint8)
     flat[1:] = p[0]
     got = ops.dequantize(flat.to(device)[1:], n, bits, block, torch.float16)
@@ -508,6 +509,14 @@ def test_mismatched_payload_sizes(device):
     p = ops.quantize(torch.randn(1000, device=device), None, 8, 64)
     with pytest.raises(RuntimeError, match="dequantize: .* needs 1088 bytes, got 1087"):
         ops.dequantize(p[:-1], 1000, 8, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="dequantize: .* needs 1088 bytes, got 1089"):
+        ops.dequantize(torch.cat([p, p[:1]]), 1000, 8, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="dequantize_sum: .* needs 1088 bytes, got 2176 per row"):
+        ops.dequantize_sum(torch.cat([p, p]).view(1, -1), 1000, 8, 64, 1, torch.float32)
+    with pytest.raises(RuntimeError, match="dequantize_sum: payloads must hold at least one row"):
+        ops.dequantize_sum(p.view(1, -1)[:0], 1000, 8, 64, 1, torch.float32)
+    with pytest.raises(RuntimeError, match="dequantize_sum_requantize: payloads must hold at"):
+        ops.dequantize_sum_requantize(p.view(1, -1)[:0], None, 1000, 8, 64, 1)
     with pytest.raises(RuntimeError, match="dequantize_sum: payloads must have 2 dimension"):
         ops.dequantize_sum(p, 1000, 8, 64, 1, torch.float32)
     with pytest.raises(RuntimeError, match="dequantize: payloads must have 1 dimension"):
@@ -565,6 +574,152 @@ def test_fakes_raise_like_the_native_ops():
         assert native is not None
         with FakeTensorMode():
             assert _raised(call) == native
+
+
+def test_payloads_of_other_settings_are_refused(device):
+    """A payload carries no header; its exact size tells other settings apart. Bits never
+    share a size at one block size (same records count, other record size), nor do element
+    counts a block or more apart, nor truncated, padded or empty payloads."""
+    n = 1000
+    p = ops.quantize(torch.randn(n, device=device), None, 8, 64)
+    for bits in (1, 2, 4):  # the q8 payload decoded as q4 (it read as values near 1e31)
+        need = ops.payload_bytes(n, bits, 64)
+        with pytest.raises(RuntimeError, match=f"needs {need} bytes, got 1088"):
+            ops.dequantize(p, n, bits, 64, torch.float32)
+    for numel in (1, 960, 1025, 2000):
+        with pytest.raises(RuntimeError, match="got 1088 .made with other settings"):
+            ops.dequantize(p, numel, 8, 64, torch.float32)
+    rows = torch.stack([p, p])
+    with pytest.raises(RuntimeError, match="dequantize_sum: .* got 1088 per row"):
+        ops.dequantize_sum(rows, n, 4, 64, 2, torch.float32)
+    with pytest.raises(RuntimeError, match="dequantize_sum_requantize: .* got 1088 per row"):
+        ops.dequantize_sum_requantize(rows, None, n, 4, 64, 2)
+    # Every (bits, numel) pair here has its own size at one block size.
+    assert len({ops.payload_bytes(m, b, 64) for b in BITS for m in (1, 100, 1000)}) == 12
+
+
+# Blocks whose magnitude m is tiny: a denormal absmax (1e-38, 1e-44), a normal one below
+# 2^-64 (where L / m overflowed to Inf), exactly 2^-64, and an ordinary one.
+TINY = [1e-38, 1e-44, 2.0**-70, 2.0**-64, 0.5]
+
+
+def tiny_blocks(block: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(5)
+    shape = torch.rand(len(TINY), block, generator=g) * 2 - 1
+    shape[:, 0] = 1.0  # the absmax is the block's magnitude exactly
+    return (shape * torch.tensor(TINY)[:, None]).reshape(-1)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_tiny_magnitudes_match_reference(device, bits):
+    x = tiny_blocks(64)
+    for stochastic in (False, True):
+        check_quantize(device, x, bits, 64, ef=True, stochastic=stochastic)
+        check_quantize(device, x, bits, 64, ef=False, stochastic=stochastic)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_error_bound_half_step_for_tiny_magnitudes(device, bits):
+    # As test_error_bound_half_step, plus half a denormal ulp (2^-150): the dequantized
+    # value m * (k / L) is a float, stored on the denormal grid when it is that small.
+    block = 64
+    x = tiny_blocks(block)
+    n = x.numel()
+    packed = ops.quantize(x.to(device), None, bits, block)
+    deq = ops.dequantize(packed, n, bits, block, torch.float32).cpu()
+    m = _magnitudes(packed.cpu(), n, bits, block)
+    assert torch.equal(m, torch.tensor(TINY))
+    m = m.repeat_interleave(block)
+    step = m / ref.max_level(bits)
+    assert bool(((x - deq).abs() <= step / 2 + m * 2**-22 + 2**-150).all())
+    assert torch.equal(deq.view(-1, block)[:, 0], torch.tensor(TINY))  # +-m exactly
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_stochastic_rounding_stays_within_a_step_for_tiny_magnitudes(device, bits):
+    block = 64
+    x = tiny_blocks(block)
+    n = x.numel()
+    m = torch.tensor(TINY).repeat_interleave(block)
+    step = 2 * m if bits == 1 else m / ref.max_level(bits)  # 1-bit: deq is +-m
+    for seed in range(8):
+        packed = ops.quantize(x.to(device), None, bits, block, True, seed)
+        deq = ops.dequantize(packed, n, bits, block, torch.float32).cpu()
+        assert bool(((x - deq).abs() <= step * (1 + 2**-20) + 2**-149).all())
+
+
+def _u8(n, device):
+    return torch.empty(n, dtype=torch.uint8, device=device)
+
+
+def _alias_calls(device):
+    """(call, message) pairs where an output shares memory with an input or another output."""
+    x = torch.randn(256, device=device)
+    need = ops.payload_bytes(256, 8, 64)
+    # Two payload rows at the start of a buffer whose float32 view also serves as `out`.
+    buf = torch.zeros(4096, dtype=torch.uint8, device=device)
+    rows = buf[: 2 * need].view(2, need)
+    rows.copy_(torch.stack([ops.quantize(x, None, 8, 64)] * 2))
+    over = buf.view(torch.float32)[:256]
+    q = torch.ops.ddpcomm
+    return [
+        (lambda: ops.quantize(x, None, 8, 64, out=x.view(torch.uint8)), "out and x"),
+        (lambda: ops.quantize(x, x, 8, 64), "residual and x"),
+        (lambda: ops.quantize(x[:128], x[64:192], 8, 64), "residual and x"),
+        (lambda: q.quantize_into(x, None, x.view(torch.uint8)[-need:], 8, 64), "out and x"),
+        (lambda: ops.dequantize(rows[0], 256, 8, 64, torch.float32, out=over), "out and packed"),
+        (lambda: ops.dequantize_sum(rows, 256, 8, 64, 2, torch.float32, out=over),
+         "out and payloads"),
+        (lambda: q.dequantize_sum_requantize_into(rows, None, rows[1], 256, 8, 64, 2),
+         "out and payloads"),
+        (lambda: q.dequantize_sum_requantize_into(rows, over, _u8(need, device), 256, 8, 64, 2),
+         "residual and payloads"),
+    ]  # fmt: skip
+
+
+def test_outputs_that_alias_inputs_are_refused(device):
+    for call, match in _alias_calls(device):
+        with pytest.raises(ValueError, match=f"{match} share memory"):
+            call()
+
+
+def test_disjoint_views_of_one_buffer_are_accepted(device):
+    # Output and input in one storage but different bytes: not an overlap.
+    buf = torch.zeros(1024, device=device)
+    x, res = buf[:256], buf[256:512]
+    x.copy_(torch.randn(256))
+    out = buf[512:].view(torch.uint8)[: ops.payload_bytes(256, 8, 64)]
+    got = ops.quantize(x, res, 8, 64, out=out)
+    assert_same_bytes(got, oracle(device).quantize(x.cpu(), torch.zeros(256), 8, 64))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: ops.quantize(x, None, True, 64),
+        lambda x: ops.quantize(x, None, 8, 64, seed=False),
+        lambda x: ops.quantize(x, None, 8, 64.0),
+        lambda x: ops.dequantize(ops.quantize(x, None, 8, 64), True, 8, 64, torch.float32),
+        lambda x: ops.dequantize_sum(ops.quantize(x, None, 8, 64)[None], 64, 8, 64, True,
+                                     torch.float32),
+        lambda x: ops.dequantize_sum_requantize(ops.quantize(x, None, 8, 64)[None], None, 64, 8,
+                                                64, 1, step=True),
+    ],
+)  # fmt: skip
+def test_bool_is_not_an_int(device, call):
+    with pytest.raises(TypeError, match=r"\w+: \w+ must be an int, got (True|False|64.0)"):
+        call(torch.randn(64, device=device))
+
+
+def test_alias_fakes_raise_like_the_native_ops():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for i, (call, _) in enumerate(_alias_calls("cpu")):
+        native = _raised(call)
+        assert native is not None and native[0] is ValueError
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake_call = _alias_calls("cpu")[i][0]  # its tensors made under the mode
+            assert _raised(fake_call) == native
 
 
 # --------------------------------------------------------------------------------------

@@ -219,6 +219,35 @@ def test_topk_error_feedback_conserves_e(device, value_dtype):
     assert torch.equal(res.cpu()[mask], e.cpu()[mask])
 
 
+@pytest.mark.parametrize("approximate", [False, True])
+@pytest.mark.parametrize("value_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_topk_values_saturate_and_the_residual_keeps_the_rest(device, value_dtype, approximate):
+    """A finite |e| beyond the value dtype's range goes on the wire as its largest finite
+    value (65504 for float16), not Inf; the residual keeps e - sent. Inf and NaN are sent
+    as they are."""
+    top = torch.finfo(value_dtype).max
+    big = [1e5, -7e4, 65520.0, -3.4e38, 3.39e38, 65504.0]
+    x = gen(1000, torch.float32, 6) * 1e-3
+    x[10 : 10 + len(big)] = torch.tensor(big)
+    res = torch.zeros(1000)
+    got = check_topk(device, x, res, len(big), approximate, value_dtype=value_dtype)
+    idx, val = split(got, len(big), value_dtype)
+    assert idx.tolist() == list(range(10, 10 + len(big)))
+    e = torch.tensor(big)
+    want = torch.where(e.abs() > top, e.sign() * top, e.to(value_dtype).float())
+    assert torch.equal(val.float(), want) and bool(val.isfinite().all())
+    r = res.clone().to(device)
+    payload = ops.topk_compress(x.to(device), r, len(big), approximate, value_dtype=value_dtype)
+    dense = ops.sparse_accumulate(payload[None], 1000, len(big), 1, value_dtype, torch.float32)
+    assert torch.equal(dense + r, x.to(device))  # nothing lost
+    assert r.cpu()[10].item() == 1e5 - top or value_dtype == torch.bfloat16
+    x[12] = float("inf")
+    x[13] = float("nan")
+    got = check_topk(device, x, res, len(big), approximate, value_dtype=value_dtype)
+    _, val = split(got, len(big), value_dtype)
+    assert val[2].item() == float("inf") and math.isnan(val[3].item())
+
+
 def test_topk_approximate_close_to_exact(device):
     """On a Gaussian bucket the approximate selection keeps >= 97% of the exact top-k's
     L2 mass: its threshold keeps >= k candidates (then it is exact) in ~84% of sample
@@ -668,6 +697,67 @@ def test_out_variants_bad_input(device):
         ops.sparse_accumulate(
             rows, n, k, 2, torch.float32, torch.float32, out=torch.empty(n + 1, device=device)
         )
+
+
+def _alias_calls(d):
+    """(call, message): an output sharing memory with an input or another output."""
+    n, k = 1000, 10
+    x = gen(n, torch.float32).to(d)
+    # Two rows of k=2 float32 entries at the start of a buffer whose float32 view also
+    # serves as an output of 10 elements.
+    buf = torch.zeros(1024, dtype=torch.uint8, device=d)
+    rows = buf[:32].view(2, 16)
+    over = buf.view(torch.float32)[:10]
+    q = torch.ops.ddpcomm
+    return [
+        (lambda: ops.topk_compress(x, None, k, out=x.view(torch.uint8)[: 8 * k]), "out and x"),
+        (lambda: ops.topk_compress(x, x, k), "residual and x"),
+        (lambda: q.topk_compress_into(x, x[:0].new_zeros(n), x.view(torch.uint8)[-8 * k :], k),
+         "out and x"),
+        (lambda: ops.sparse_accumulate(rows, 10, 2, 1, torch.float32, torch.float32, out=over),
+         "out and payloads"),
+        (lambda: q.sparse_accumulate_into(rows, torch.empty(10, dtype=torch.half,
+                                          device=d), over, 2, 1, torch.float32),
+         "scratch and payloads"),
+        (lambda: ops.randk_compress(x, x, k, 0, 0, 0), "residual and x"),
+        (lambda: q.randk_compress_into(x, None, x[5 : 5 + k], 0, 0, 0), "out and x"),
+        (lambda: ops.randk_decompress(x[:k], n, 0, 0, 0, 1, torch.float32, out=x),
+         "out and values"),
+    ]  # fmt: skip
+
+
+def test_outputs_that_alias_inputs_are_refused(device):
+    for call, match in _alias_calls(device):
+        with pytest.raises(ValueError, match=f"{match} share memory"):
+            call()
+
+
+def test_alias_fakes_raise_like_the_native_ops():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for i, (call, _) in enumerate(_alias_calls("cpu")):
+        with pytest.raises(ValueError) as native:
+            call()
+        with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(ValueError) as fake:
+            _alias_calls("cpu")[i][0]()
+        assert str(fake.value) == str(native.value)
+
+
+def test_no_rows_and_bools_are_refused(device):
+    rows = topk_rows(1000, 10, count=2).to(device)
+    with pytest.raises(RuntimeError, match="payloads must hold at least one row, got 0"):
+        ops.sparse_accumulate(rows[:0], 1000, 10, 1, torch.float32, torch.float32)
+    x = gen(100, torch.float32).to(device)
+    bad = [
+        lambda: ops.topk_compress(x, None, True),
+        lambda: ops.topk_compress(x, None, 1, step=False),
+        lambda: ops.sparse_accumulate(rows, 1000, 10, True, torch.float32, torch.float32),
+        lambda: ops.randk_compress(x, None, 3, 0, 0, True),
+        lambda: ops.randk_decompress(x[:3], 100, 0, True, 0, 1, torch.float32),
+    ]
+    for call in bad:
+        with pytest.raises(TypeError, match=r"\w+: \w+ must be an int, got (True|False)"):
+            call()
 
 
 def test_fakes_raise_like_the_native_ops():

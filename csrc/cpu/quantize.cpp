@@ -59,7 +59,7 @@ void encode_block(const float* e, int64_t valid, int64_t B, uint8_t* record, flo
     const uint8_t code = (uint8_t)degenerate_code(kBits);
     for (int64_t j = 0; j < B; ++j) codes[j] = code;
   } else {
-    const float inv = block_inv(m, kBits);
+    const BlockInv inv = block_inv(m, kBits);
     for (int64_t j = 0; j < B; ++j) {
       const float u = kStochastic ? uniform24(rng_u64_keyed(key, index0 + j)) : 0.0f;
       codes[j] = (uint8_t)quantize_one(e[j], inv, kBits, kStochastic, u);

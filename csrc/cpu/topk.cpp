@@ -223,9 +223,10 @@ uint32_t histogram_threshold(const T* e, int64_t n, int64_t k) {
   return 0;
 }
 
-// Writes entry o of the payload (index i, value e cast to the value dtype) and, with error
-// feedback, leaves in the residual what the cast lost (0 for float32 values). e is canonical
-// (numerics.h), so a NaN value is stored as its dtype's canonical NaN.
+// Writes entry o of the payload (index i, value e cast to the value dtype, saturated at its
+// largest finite value: numerics.h saturate) and, with error feedback, leaves in the residual
+// what the cast lost (0 for float32 values). e is canonical (numerics.h), so a NaN value is
+// stored as its dtype's canonical NaN.
 struct PayloadWriter {
   int32_t* index;
   uint8_t* values;
@@ -236,11 +237,11 @@ struct PayloadWriter {
     index[o] = (int32_t)i;
     float sent = e;
     if (vtype == at::kHalf) {
-      const c10::Half h(e);
+      const c10::Half h(saturate(e, kMaxFloat16));
       reinterpret_cast<c10::Half*>(values)[o] = h;
       sent = static_cast<float>(h);
     } else if (vtype == at::kBFloat16) {
-      const c10::BFloat16 h(e);
+      const c10::BFloat16 h(saturate(e, kMaxBFloat16));
       reinterpret_cast<c10::BFloat16*>(values)[o] = h;
       sent = static_cast<float>(h);
     } else {

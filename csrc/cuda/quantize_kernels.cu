@@ -446,7 +446,8 @@ __device__ __forceinline__ float block_magnitude(const EncodeThread& t, float (&
 template <class Src, int kBits>
 __device__ __forceinline__ void emit_row(const Src& src, const EncodeParams& p,
                                          const EncodeThread& t, int r, const float (&v)[kVec],
-                                         float m, float inv, bool degenerate, const float* levels) {
+                                         float m, BlockInv inv, bool degenerate,
+                                         const float* levels) {
   const int64_t j0 = t.row_offset(r), i0 = t.start + j0;
   uint32_t codes[kVec];
 #pragma unroll
@@ -514,7 +515,7 @@ __global__ void __launch_bounds__(kThreads) encode_kernel_regs(Src src, EncodePa
   if (!t.active) return;  // no barrier follows
   if (t.g == 0) store_scale(p.out + t.blk * p.rec, m, p.out_aligned);
   const bool degenerate = block_is_degenerate(m);
-  const float inv = block_inv(m, kBits);
+  const BlockInv inv = block_inv(m, kBits);
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     if (r < R) emit_row<Src, kBits>(src, p, t, r, v[r], m, inv, degenerate, levels);
@@ -676,7 +677,7 @@ __global__ void __launch_bounds__(kThreads) encode_emit_kernel(Src src, EncodePa
   const EncodeThread t = split_thread(p, blk);
   const float m = load_scale(p.out + blk * p.rec, p.out_aligned);
   const bool degenerate = block_is_degenerate(m);
-  const float inv = block_inv(m, kBits);
+  const BlockInv inv = block_inv(m, kBits);
   const int mine = p.rows >> p.log2_slices;
   for (int c = 0; c < mine; ++c) {
     const int r = s + (c << p.log2_slices);

@@ -368,8 +368,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Writes payload entry o: index i and e cast to the value type; with a residual, what the cast lost
-// stays there (0 for float32 values).
+// Writes payload entry o: index i and e cast to the value type, saturated at its largest finite
+// value (numerics.h saturate); with a residual, what the cast lost stays there (0 for float32).
 struct PayloadOut {
   int32_t* index;
   void* values;
@@ -377,7 +377,10 @@ struct PayloadOut {
   float* residual;
   __device__ __forceinline__ void put(int64_t o, int64_t i, float e) const {
     index[o] = (int32_t)i;
-    const float sent = store_elem(values, value_type, o, e);
+    const float max_finite = value_type == FloatType::kFloat16    ? kMaxFloat16
+                             : value_type == FloatType::kBFloat16 ? kMaxBFloat16
+                                                                  : kMaxFloat32;
+    const float sent = store_elem(values, value_type, o, saturate(e, max_finite));
     if (residual != nullptr) residual[i] = canonical(e - sent);
   }
 };
