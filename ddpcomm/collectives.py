@@ -128,16 +128,23 @@ def _cast(flat: torch.Tensor, c: CastCompression, ctx: ReduceContext) -> Future:
 # MB/s line rate), while several smaller all_gathers in flight at once reach line rate
 # (q8 at 64 MiB, 2 ranks, went from 2.14x to 3.03x the plain all_reduce). Pieces also let
 # each piece be compressed just before it is sent and decoded as it lands, overlapping both
-# with the wire. NCCL pipelines one collective by itself.
+# with the wire. Compression and decoding cost follows the bucket, not the payload, so a
+# high-ratio method's small payload is cut by bucket size too: q1, top-k and random-k at
+# 64 MiB go in 4 pieces (q8 and q4 in the 8 and 4 of their 2 MiB payload pieces, as
+# before). NCCL pipelines one collective by itself.
 _GLOO_PIECE_BYTES = 2 << 20
+_GLOO_PIECE_BUCKET_BYTES = 16 << 20
 _GLOO_MAX_PIECES = 16
 
 
-def _pieces(records: int, record_bytes: int, group: dist.ProcessGroup) -> list[tuple[int, int]]:
-    """Record ranges [r0, r1) to all_gather separately: several on gloo, one on NCCL."""
+def _pieces(
+    records: int, record_bytes: int, bucket_bytes: int, group: dist.ProcessGroup
+) -> list[tuple[int, int]]:
+    """Record ranges [r0, r1) to send separately: several on gloo, one on NCCL."""
     count = 1
     if dist.get_backend(group) == "gloo":
-        count = min(_GLOO_MAX_PIECES, max(1, records * record_bytes // _GLOO_PIECE_BYTES))
+        by_payload = records * record_bytes // _GLOO_PIECE_BYTES
+        count = min(_GLOO_MAX_PIECES, max(1, by_payload, bucket_bytes // _GLOO_PIECE_BUCKET_BYTES))
     count = max(1, min(count, records))
     return [(records * i // count, records * (i + 1) // count) for i in range(count)]
 
@@ -182,7 +189,7 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
     # whole tensor: blocks are independent and RNG counters are element indices) and sent
     # at once, letting the wire start after the first piece; its gathered rows are N
     # payloads of its element range and decode straight into that slice of `flat`.
-    pieces = _pieces(records, rec, pg)
+    pieces = _pieces(records, rec, n * flat.element_size(), pg)
 
     def elements(i):
         r0, r1 = pieces[i]
@@ -395,7 +402,7 @@ def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
     # Selection is global (per-piece top-k would pick other entries), so the payload is
     # sent in byte pieces only, for gloo's line rate, and each piece's rows are copied into
     # place as they land; the sum then adds whole rows in rank order, as with one piece.
-    spans = _pieces(size, 1, pg)
+    spans = _pieces(size, 1, n * flat.element_size(), pg)
     rows = gathered.view(world, size)
     if len(spans) > 1:
         rows = ctx.buffer("rows", world * size, flat.device).view(world, size)
@@ -439,7 +446,7 @@ def _randk(flat: torch.Tensor, c: RandomK, ctx: ReduceContext) -> Future:
     # In pieces on gloo, for its line rate, at two ranks only: there a sum of two values is
     # the same whichever all_reduce carries them, while at more ranks the order gloo adds
     # the ranks in may depend on how the buffer is split, so one all_reduce keeps its bits.
-    spans = _pieces(k, 4, pg) if world == 2 else [(0, k)]
+    spans = _pieces(k, 4, n * flat.element_size(), pg) if world == 2 else [(0, k)]
     futures = [
         dist.all_reduce(values[v0:v1], group=pg, async_op=True).get_future() for v0, v1 in spans
     ]

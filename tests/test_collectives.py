@@ -231,12 +231,16 @@ def check_pieces(r: Rank, c) -> None:
                 collectives._GLOO_PIECE_BYTES = saved
             assert ctx.stats.paths == {expected_path(c, n, r.world): 1}
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, pieces)
-    # The pieces really are several: 41 records of 3-record pieces make 13.
+    # The pieces really are several: 41 records of 3-record pieces make 13, and a small
+    # payload of a large bucket is cut by the bucket's size (at most 16 pieces).
     collectives._GLOO_PIECE_BYTES = 3 * 100
     try:
-        assert len(collectives._pieces(41, 100, dist.group.WORLD)) == 13
+        assert len(collectives._pieces(41, 100, 0, dist.group.WORLD)) == 13
     finally:
         collectives._GLOO_PIECE_BYTES = saved
+    bucket = collectives._GLOO_PIECE_BUCKET_BYTES
+    assert len(collectives._pieces(41, 100, 4 * bucket, dist.group.WORLD)) == 4
+    assert len(collectives._pieces(41, 100, 100 * bucket, dist.group.WORLD)) == 16
 
 
 class ForceSparse(TopK):
