@@ -127,18 +127,46 @@ def _cast(flat: torch.Tensor, c: CastCompression, ctx: ReduceContext) -> Future:
 # gloo moves one large all_gather between two ranks at ~80 MB/s on a 1 Gbit/s link (119
 # MB/s line rate), while several smaller all_gathers in flight at once reach line rate
 # (q8 at 64 MiB, 2 ranks, went from 2.14x to 3.03x the plain all_reduce). Pieces also let
-# decoding start before the last bytes arrive. NCCL pipelines one collective by itself.
+# each piece be compressed just before it is sent and decoded as it lands, overlapping both
+# with the wire. Compression and decoding cost follows the bucket, not the payload, so a
+# high-ratio method's small payload is cut by bucket size too: q1, top-k and random-k at
+# 64 MiB go in 4 pieces (q8 and q4 in the 8 and 4 of their 2 MiB payload pieces, as
+# before). NCCL pipelines one collective by itself.
 _GLOO_PIECE_BYTES = 2 << 20
+_GLOO_PIECE_BUCKET_BYTES = 16 << 20
 _GLOO_MAX_PIECES = 16
 
 
-def _pieces(records: int, record_bytes: int, group: dist.ProcessGroup) -> list[tuple[int, int]]:
-    """Record ranges [r0, r1) to all_gather separately: several on gloo, one on NCCL."""
+def _pieces(
+    records: int, record_bytes: int, bucket_bytes: int, group: dist.ProcessGroup
+) -> list[tuple[int, int]]:
+    """Record ranges [r0, r1) to send separately: several on gloo, one on NCCL."""
     count = 1
     if dist.get_backend(group) == "gloo":
-        count = min(_GLOO_MAX_PIECES, max(1, records * record_bytes // _GLOO_PIECE_BYTES))
+        by_payload = records * record_bytes // _GLOO_PIECE_BYTES
+        count = min(_GLOO_MAX_PIECES, max(1, by_payload, bucket_bytes // _GLOO_PIECE_BUCKET_BYTES))
     count = max(1, min(count, records))
     return [(records * i // count, records * (i + 1) // count) for i in range(count)]
+
+
+def _gather_pieces(send, gathered, spans, pg, prepare, land) -> list[Future]:
+    """All-gathers the byte spans [b0, b1) of ``send`` as one all_gather each, in order:
+    ``prepare(i)`` fills span i just before it is sent, and ``land(i, rows)`` runs as its
+    (N, b1 - b0) rows arrive (at ``gathered[N * b0 : N * b1]``). One Future per span."""
+    world = dist.get_world_size(pg)
+    futures = []
+    for i, (b0, b1) in enumerate(spans):
+        prepare(i)
+        piece = gathered[world * b0 : world * b1]
+        work = all_gather_single(piece, send[b0:b1], group=pg, async_op=True)
+        rows = piece.view(world, b1 - b0)
+
+        def landed(fut, i=i, rows=rows):
+            fut.wait()
+            land(i, rows)
+
+        futures.append(work.get_future().then(landed))
+    return futures
 
 
 def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -> Future:
@@ -161,10 +189,14 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
     # whole tensor: blocks are independent and RNG counters are element indices) and sent
     # at once, letting the wire start after the first piece; its gathered rows are N
     # payloads of its element range and decode straight into that slice of `flat`.
-    futures = []
-    for r0, r1 in _pieces(records, rec, pg):
-        e0, e1 = r0 * block, min(r1 * block, n)
-        send = packed[r0 * rec : r1 * rec]
+    pieces = _pieces(records, rec, n * flat.element_size(), pg)
+
+    def elements(i):
+        r0, r1 = pieces[i]
+        return r0 * block, min(r1 * block, n)
+
+    def prepare(i):
+        (r0, r1), (e0, e1) = pieces[i], elements(i)
         with ctx.stats.timer():
             ops.quantize(
                 flat[e0:e1],
@@ -175,19 +207,16 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
                 seed,
                 ctx.step,
                 rank * n + e0,
-                out=send,
+                out=packed[r0 * rec : r1 * rec],
             )
-        piece = gathered[world * r0 * rec : world * r1 * rec]
-        work = all_gather_single(piece, send, group=pg, async_op=True)
-        rows = piece.view(world, (r1 - r0) * rec)
 
-        def decode(fut, rows=rows, e0=e0, e1=e1):
-            fut.wait()
-            with ctx.stats.timer():
-                ops.dequantize_sum(rows, e1 - e0, q.bits, block, world, flat.dtype, out=flat[e0:e1])
+    def land(i, rows):
+        e0, e1 = elements(i)
+        with ctx.stats.timer():
+            ops.dequantize_sum(rows, e1 - e0, q.bits, block, world, flat.dtype, out=flat[e0:e1])
 
-        futures.append(work.get_future().then(decode))
-
+    spans = [(r0 * rec, r1 * rec) for r0, r1 in pieces]
+    futures = _gather_pieces(packed, gathered, spans, pg, prepare, land)
     done = join(futures, flat, flat.device)
     if residual is None:
         return done
@@ -307,9 +336,10 @@ def _empty(flat: torch.Tensor, ctx: ReduceContext) -> Future:
 # --------------------------------------------------------------------------------------
 # Sparsification: top-k and random-k
 #
-# Both take one collective per bucket: every rank's top-k payload has the same size (exactly
-# k entries), and random-k indices agree across ranks by construction. So the collective
-# order is the bucket order in which the hook is called, and no sequencer is needed.
+# Both issue their collectives (one, or one per piece) from the hook itself: every rank's
+# top-k payload has the same size (exactly k entries), and random-k indices agree across
+# ranks by construction. So the collective order is the bucket order in which the hook is
+# called, and no sequencer is needed.
 # --------------------------------------------------------------------------------------
 
 
@@ -370,12 +400,24 @@ def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
     size = packed.numel()
     gathered = ctx.buffer("gather", world * size, flat.device)
     ctx.stats.record("topk_all_gather", sent, dense_eq)
-    work = all_gather_single(gathered, packed, group=pg, async_op=True)
+    # Selection is global (per-piece top-k would pick other entries), so the payload is
+    # sent in byte pieces only, for gloo's line rate, and each piece's rows are copied into
+    # place as they land; the sum then adds whole rows in rank order, as with one piece.
+    spans = _pieces(size, 1, n * flat.element_size(), pg)
+    rows = gathered.view(world, size)
+    if len(spans) > 1:
+        rows = ctx.buffer("rows", world * size, flat.device).view(world, size)
+
+    def land(i, piece):
+        if len(spans) > 1:
+            b0, b1 = spans[i]
+            rows[:, b0:b1].copy_(piece)
+
+    futures = _gather_pieces(packed, gathered, spans, pg, lambda i: None, land)
 
     def decode(fut):
         fut.wait()
         with ctx.stats.timer():
-            rows = gathered.view(world, size)
             ops.sparse_accumulate(
                 rows, n, k, world, vdtype, flat.dtype, out=flat, scratch=scratch, check=False
             )
@@ -386,7 +428,7 @@ def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
                 ctx.reset_unless(torch.isfinite(values).all())
         return flat
 
-    return work.get_future().then(decode)
+    return join(futures, flat, flat.device).then(decode)
 
 
 def _randk(flat: torch.Tensor, c: RandomK, ctx: ReduceContext) -> Future:
@@ -402,15 +444,21 @@ def _randk(flat: torch.Tensor, c: RandomK, ctx: ReduceContext) -> Future:
     ctx.stats.record(
         "randk_all_reduce", c.wire_bytes(n, world), dense_bytes(n, world, flat.element_size())
     )
-    work = dist.all_reduce(values, group=pg, async_op=True)
+    # In pieces on gloo, for its line rate, at two ranks only: there a sum of two values is
+    # the same whichever all_reduce carries them, while at more ranks the order gloo adds
+    # the ranks in may depend on how the buffer is split, so one all_reduce keeps its bits.
+    spans = _pieces(k, 4, n * flat.element_size(), pg) if world == 2 else [(0, k)]
+    futures = [
+        dist.all_reduce(values[v0:v1], group=pg, async_op=True).get_future() for v0, v1 in spans
+    ]
 
     def decode(fut):
+        fut.wait()
         with ctx.stats.timer():
-            total = fut.value()[0]
-            ops.randk_decompress(total, n, c.seed, ctx.step, bucket, world, flat.dtype, out=flat)
+            ops.randk_decompress(values, n, c.seed, ctx.step, bucket, world, flat.dtype, out=flat)
             # A non-finite entry anywhere makes its rank send NaN values (randk_compress).
             if residual is not None:
-                ctx.reset_unless(torch.isfinite(total).all())
+                ctx.reset_unless(torch.isfinite(values).all())
         return flat
 
-    return work.get_future().then(decode)
+    return join(futures, values, flat.device).then(decode)

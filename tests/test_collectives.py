@@ -60,11 +60,15 @@ METHODS = {
 }
 QUANTIZERS = [m for m in METHODS if m.startswith("q")]
 SPARSE = ["topk", "randk"]
-# The all-gather algorithm's payload split into pieces on gloo.
+# Methods whose payload goes out in pieces on gloo: the quantizers' all-gather algorithm,
+# top-k and random-k (at two ranks). With error feedback: the residual path is the one run.
 PIECES = {
     "q8-stochastic": quantizer(8, "all_gather", stochastic=True, error_feedback=True),
     "q8": quantizer(8, "all_gather", error_feedback=True),
+    "q2": quantizer(2, "all_gather", error_feedback=True),
     "q1": quantizer(1, "all_gather", error_feedback=True),
+    "topk": ("topk:0.05", dict(error_feedback=True)),
+    "randk": ("randk:0.05", dict(seed=7, error_feedback=True)),
 }
 
 
@@ -184,19 +188,59 @@ def check_ratio_one(r: Rank, c) -> None:
     assert torch.equal(r.reduce(x, type(c)(1.0))[0], want)
 
 
-def check_pieces(r: Rank, q) -> None:
-    # On gloo the all-gather algorithm sends large payloads as several all_gathers; the
-    # result must not depend on how many: force many small pieces, compare bitwise.
-    x = rank_input(r.rank, 40 * BLOCK + 3)
-    whole, _ = r.reduce(x, q)
+def pieces_reference(r: Rank, c, x: torch.Tensor, key: int) -> torch.Tensor:
+    """reference.py's result of one step from zero residuals: each rank's payload, then
+    the sum of the gathered payloads in rank order (random-k: dist.all_reduce's sum)."""
+    n, zeros = x.numel(), torch.zeros(x.numel())
+    if isinstance(c, TopK):
+        rows = gather_rows(ref.topk_compress(x, zeros, c.k(n)), r.world)
+        return ref.sparse_accumulate(rows, n, c.k(n), r.world, torch.float32, torch.float32)
+    if isinstance(c, RandomK):
+        values = ref.randk_compress(x, zeros, c.k(n), c.seed, 0, key)
+        dist.all_reduce(values)
+        return ref.randk_decompress(values, n, c.seed, 0, key, r.world, torch.float32)
+    seed = collectives._stream_seed(c.seed, key)
+    payload = ref.quantize(x, zeros, c.bits, c.block_size, c.stochastic, seed, 0, r.rank * n)
+    rows = gather_rows(payload, r.world)
+    return ref.dequantize_sum(rows, n, c.bits, c.block_size, r.world, torch.float32)
+
+
+def payload_bytes(c, n: int) -> int:
+    """The bytes one rank's payload takes: what a single piece would send."""
+    if isinstance(c, TopK):
+        return 8 * c.k(n)
+    if isinstance(c, RandomK):
+        return 4 * c.k(n)
+    return c.record_bytes * -(-n // c.block_size)
+
+
+def check_pieces(r: Rank, c) -> None:
+    # On gloo the payload goes out as several collectives, each decoded as it lands: the
+    # result must be reference.py's bit for bit however many pieces, at sizes that split
+    # unevenly and at a bucket smaller than one piece.
     saved = collectives._GLOO_PIECE_BYTES
-    collectives._GLOO_PIECE_BYTES = 3 * q.record_bytes
+    for n in (5, 40 * BLOCK + 3):
+        x = rank_input(r.rank, n)
+        want = pieces_reference(r, c, x, key=3)
+        payload = payload_bytes(c, n)
+        for pieces in (1, 3, 7, 13):
+            collectives._GLOO_PIECE_BYTES = max(1, payload // pieces)
+            try:
+                got, ctx = r.reduce(x, c, key=3)
+            finally:
+                collectives._GLOO_PIECE_BYTES = saved
+            assert ctx.stats.paths == {expected_path(c, n, r.world): 1}
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (n, pieces)
+    # The pieces really are several: 41 records of 3-record pieces make 13, and a small
+    # payload of a large bucket is cut by the bucket's size (at most 16 pieces).
+    collectives._GLOO_PIECE_BYTES = 3 * 100
     try:
-        assert len(collectives._pieces(41, q.record_bytes, dist.group.WORLD)) == 13
-        pieces, _ = r.reduce(x, q)
+        assert len(collectives._pieces(41, 100, 0, dist.group.WORLD)) == 13
     finally:
         collectives._GLOO_PIECE_BYTES = saved
-    assert torch.equal(whole, pieces)
+    bucket = collectives._GLOO_PIECE_BUCKET_BYTES
+    assert len(collectives._pieces(41, 100, 4 * bucket, dist.group.WORLD)) == 4
+    assert len(collectives._pieces(41, 100, 100 * bucket, dist.group.WORLD)) == 16
 
 
 class ForceSparse(TopK):
@@ -384,7 +428,7 @@ def test_ratio_one_is_the_plain_all_reduce(groups, method, world, device):
 
 @per_group
 @pytest.mark.parametrize("method", PIECES)
-def test_all_gather_pieces_do_not_change_the_result(groups, method, world, device):
+def test_pieces_give_the_reference_bits(groups, method, world, device):
     groups.values(world, device, "pieces", method)
 
 
