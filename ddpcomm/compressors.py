@@ -2,8 +2,10 @@
 
 A spec string names a method everywhere ddpcomm takes one (hooks, ``ddpcomm.all_reduce``,
 the benchmark CLI): ``none``, ``fp16``, ``bf16``, ``q8``, ``q4``, ``q2``, ``q1``,
-``topk:R`` and ``randk:R``. ``parse`` turns a spec plus keyword options into a
-compressor; a compressor object passes through unchanged.
+``topk:R`` and ``randk:R``, optionally followed by options after commas
+(``"q4,error_feedback,block_size=128"``). ``parse`` turns a spec plus keyword options into
+a compressor; a compressor object passes through unchanged. ``ramp_stages`` lists the
+milder methods a hook state's ramp steps through before the method itself.
 
 >>> from ddpcomm import compressors
 >>> q = compressors.parse("q4", block_size=128)
@@ -11,6 +13,8 @@ compressor; a compressor object passes through unchanged.
 (4, 128, False)
 >>> compressors.parse("q1").error_feedback    # on by default at 1 and 2 bits
 True
+>>> compressors.parse("q4,error_feedback,block_size=128").block_size
+128
 """
 
 from __future__ import annotations
@@ -360,14 +364,63 @@ class RandomK(_Sparsifier):
 # --------------------------------------------------------------------------------------
 
 SPECS = ("none", "fp16", "bf16", "q8", "q4", "q2", "q1", "topk:R", "randk:R")
+# Options a spec string may carry that belong to the hook state, not to the method.
+STATE_OPTIONS = ("start_iter", "min_numel", "ramp")
+_VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _spec_value(key: str, text: str):
+    """An option's value as written in a spec: true/false, an int, a float, a dtype name
+    (value_dtype) or a plain string (algorithm)."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if key == "value_dtype":
+        if low not in _VALUE_DTYPES:
+            raise ValueError(f"value_dtype must be one of {sorted(_VALUE_DTYPES)}, got {text!r}")
+        return _VALUE_DTYPES[low]
+    for kind in (int, float):
+        try:
+            return kind(low)
+        except ValueError:
+            pass
+    return low
+
+
+def split_spec(spec: str) -> tuple[str, dict]:
+    """``"q2,ramp=200,block_size=128"`` -> ``("q2", {"ramp": 200, "block_size": 128})``.
+
+    A spec is the method (with its ``:R`` argument), then comma-separated options:
+    ``name=value``, or a bare ``name`` meaning ``name=true``.
+    """
+    method, *parts = spec.split(",")
+    options: dict = {}
+    for part in parts:
+        key, eq, text = part.strip().partition("=")
+        key = key.strip().lower()
+        if not key.isidentifier():
+            raise ValueError(f"compression spec {spec!r}: malformed option {part.strip()!r}")
+        if key in options:
+            raise ValueError(f"compression spec {spec!r} gives option {key!r} twice")
+        options[key] = _spec_value(key, text) if eq else True
+    return method.strip(), options
+
+
+def merge_options(spec: str, spec_options: dict, options: dict) -> dict:
+    both = sorted(set(spec_options) & set(options))
+    if both:
+        raise ValueError(f"option(s) {both} given both in the spec {spec!r} and as keywords")
+    return {**spec_options, **options}
 
 
 def parse(spec: str | Compressor, **options) -> Compressor:
     """Builds the compressor a spec string names; options go to its constructor.
 
-    A compressor object (of any ``Compressor`` subclass) passes through unchanged. Raises
-    ValueError for an unknown spec (listing the known ones) or a malformed argument, and
-    TypeError for an unknown option.
+    Options may also be written in the spec, after commas (``"q4,error_feedback"``,
+    ``"topk:0.01,value_dtype=bfloat16"``; see :func:`split_spec`). A compressor object (of
+    any ``Compressor`` subclass) passes through unchanged. Raises ValueError for an unknown
+    spec (listing the known ones), a malformed argument or a hook state's option
+    (``start_iter``, ``min_numel``, ``ramp``), and TypeError for an unknown option.
     """
     if isinstance(spec, Compressor):
         if options:
@@ -375,7 +428,15 @@ def parse(spec: str | Compressor, **options) -> Compressor:
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"compression must be a spec string or a Compressor, got {spec!r}")
-    name, colon, arg = spec.strip().partition(":")
+    method, spec_options = split_spec(spec)
+    options = merge_options(spec, spec_options, options)
+    state_options = sorted(set(options) & set(STATE_OPTIONS))
+    if state_options:
+        raise ValueError(
+            f"{state_options} are settings of the hook state (ddpcomm.CompressionState), "
+            f"not of the method {method!r}"
+        )
+    name, colon, arg = method.partition(":")
     name = name.lower()
     if name in ("topk", "randk"):
         if not arg:
@@ -396,3 +457,39 @@ def parse(spec: str | Compressor, **options) -> Compressor:
     if name == "none":
         return NoCompression()
     return CastCompression(torch.float16 if name == "fp16" else torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------
+# Ramps: the milder methods a schedule steps through before reaching the target
+# --------------------------------------------------------------------------------------
+
+RAMP_BITS = (8, 4, 2)  # q1's ramp: q8, q4, q2, then q1
+RAMP_DENSITY_FACTOR = 0.25  # DGC's sparsity warm-up: densities 25%, 6.25%, 1.5625%, ...
+
+
+def ramp_stages(c: Compressor) -> list[Compressor]:
+    """The methods a ramp steps through, mildest first, before ``c`` itself.
+
+    A quantizer at b bits steps through every bit width of ``RAMP_BITS`` above b; a
+    sparsifier at density R through 25%, 6.25%, ... (each a quarter of the one before)
+    while above R. Every stage keeps ``c``'s other options, error feedback included, and
+    uses the same residuals: error feedback carries what a stage did not send into the
+    next. q8 and densities of 25% or more have no stages; lossless and cast methods have
+    nothing to ramp and raise ValueError.
+    """
+    if isinstance(c, Quantizer):
+        return [
+            Quantizer(b, c.block_size, c.stochastic, c.error_feedback, c.algorithm, c.seed)
+            for b in RAMP_BITS
+            if b > c.bits
+        ]
+    if isinstance(c, (TopK, RandomK)):
+        densities = []
+        d = RAMP_DENSITY_FACTOR
+        while d > c.ratio:
+            densities.append(d)
+            d *= RAMP_DENSITY_FACTOR
+        if isinstance(c, TopK):
+            return [TopK(d, c.approximate, c.error_feedback, c.value_dtype) for d in densities]
+        return [RandomK(d, c.seed, c.error_feedback) for d in densities]
+    raise ValueError(f"ramp needs a quantizer (q4, q2, q1) or a sparsifier, got {c.spec!r}")

@@ -20,6 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ddpcomm import agreement, checkpoint, collectives
 from ddpcomm.compressors import (
+    STATE_OPTIONS,
     Compressor,
     NoCompression,
     Quantizer,
@@ -27,7 +28,10 @@ from ddpcomm.compressors import (
     TopK,
     check_float_tensor,
     check_int,
+    merge_options,
     parse,
+    ramp_stages,
+    split_spec,
 )
 from ddpcomm.context import ReduceContext, ResidualMemory, Stats, Workspace
 from ddpcomm.layout import LayoutTracker, Reformer
@@ -40,13 +44,20 @@ class CompressionState:
         compression: a spec string (``"q8"``, ``"q4"``, ``"q2"``, ``"q1"``, ``"topk:0.01"``,
             ``"randk:0.01"``, ``"fp16"``, ``"bf16"``, ``"none"``) or a compressor object
             from ``ddpcomm.compressors``.
-        start_iter: iterations (backward passes) before this one use a plain all_reduce.
-            Lets DDP settle its bucket layout and the model leave its first, large-gradient
-            steps before compression starts.
+        start_iter: iterations (backward passes) before this one use a plain all_reduce:
+            the full-precision warm-up. Lets DDP settle its bucket layout and the model
+            (and Adam's moments) leave its first, large-gradient steps before compression
+            starts.
         min_numel: buckets with fewer elements go uncompressed (latency-bound anyway).
         process_group: the group to reduce over; None means the default group.
+        ramp: iterations after ``start_iter`` that step through milder versions of the
+            method before it (``compressors.ramp_stages``: q1 runs q8, q4, q2; topk:0.01
+            runs 25%, 6.25%, 1.5625% density), the ``ramp`` iterations split evenly
+            between them in order. The residuals carry across stages.
         **options: the method's options (``block_size``, ``error_feedback``, ...; see its
-            class in ``ddpcomm.compressors``), with a spec string only.
+            class in ``ddpcomm.compressors``), with a spec string only. A spec string may
+            also carry them and ``start_iter``, ``min_numel``, ``ramp`` after commas:
+            ``"q1,start_iter=50,ramp=200"``.
 
     Example::
 
@@ -60,6 +71,7 @@ class CompressionState:
         "compressor",
         "start_iter",
         "min_numel",
+        "ramp",
         "process_group",
         "iteration",
         "memory",
@@ -69,6 +81,7 @@ class CompressionState:
         "_stats",
         "_unchecked",
         "_pending_position",
+        "_stages",
         "__weakref__",
     )
 
@@ -78,13 +91,29 @@ class CompressionState:
         start_iter: int = 0,
         min_numel: int = 0,
         process_group: dist.ProcessGroup | None = None,
+        ramp: int = 0,
         **options,
     ) -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a ProcessGroup or None, got {process_group!r}")
+        if isinstance(compression, str):
+            compression, spec_options = split_spec(compression)
+            given = {"start_iter": start_iter, "min_numel": min_numel, "ramp": ramp}
+            for name in STATE_OPTIONS:
+                if name in spec_options:
+                    if given[name]:
+                        raise ValueError(
+                            f"{name} given both in the spec and as a keyword "
+                            f"({spec_options[name]!r}, {given[name]!r})"
+                        )
+                    given[name] = spec_options.pop(name)
+            start_iter, min_numel, ramp = given["start_iter"], given["min_numel"], given["ramp"]
+            options = merge_options(compression, spec_options, options)
         self.compressor = parse(compression, **options)
         self.start_iter = check_int(start_iter, "start_iter", 0)
         self.min_numel = check_int(min_numel, "min_numel", 0)
+        self.ramp = check_int(ramp, "ramp", 0)
+        self._stages = ramp_stages(self.compressor) if self.ramp else []
         self.process_group = process_group
         self.iteration = 0
         self.memory = ResidualMemory()
@@ -123,7 +152,15 @@ class CompressionState:
             return collectives.sparse_all_reduce(flat, ctx)
         if self.iteration < self.start_iter or flat.numel() < self.min_numel:
             return collectives.plain_all_reduce(flat, ctx)
-        return collectives.all_reduce_mean(flat, self.compressor, ctx)
+        return collectives.all_reduce_mean(flat, self.compressor_at(self.iteration), ctx)
+
+    def compressor_at(self, iteration: int) -> Compressor:
+        """The method iteration ``iteration`` compresses with (at or after ``start_iter``):
+        a ramp stage during the ``ramp`` iterations after ``start_iter``, then the method."""
+        done = iteration - self.start_iter
+        if not self._stages or not 0 <= done < self.ramp:
+            return self.compressor
+        return self._stages[done * len(self._stages) // self.ramp]
 
     # -- checkpointing -----------------------------------------------------------------
 
@@ -146,6 +183,7 @@ class CompressionState:
             "iteration": self.iteration,
             "start_iter": self.start_iter,
             "min_numel": self.min_numel,
+            "ramp": self.ramp,
             "memory": self.memory.state_dict(),
             "layout": self.layout.state_dict(),
         }
@@ -169,9 +207,13 @@ class CompressionState:
                 f"state_dict was saved with config {tuple(sd['config'])}, this state has "
                 f"{self.compressor.config()}"
             )
+        # Absent from checkpoints of earlier versions, which had no ramp.
+        ramp = check_int(sd.get("ramp", 0), "state_dict['ramp']", 0)
         self.iteration = sd["iteration"]
         self.start_iter = sd["start_iter"]
         self.min_numel = sd["min_numel"]
+        self.ramp = ramp
+        self._stages = ramp_stages(self.compressor) if ramp else []
         if drop:
             self.memory = ResidualMemory()
         else:
@@ -193,14 +235,14 @@ class CompressionState:
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({self.compressor!r}, start_iter={self.start_iter}, "
-            f"min_numel={self.min_numel}, iteration={self.iteration})"
+            f"min_numel={self.min_numel}, ramp={self.ramp}, iteration={self.iteration})"
         )
 
 
 class _MethodState(CompressionState):
     """A ``CompressionState`` whose method is fixed: ``cls(*args, **options)`` builds
     ``CompressionState(cls.method(*args, **method_options), start_iter, min_numel,
-    process_group)``, so the method's arguments and defaults are its class's alone."""
+    process_group, ramp)``, so the method's arguments and defaults are its class's alone."""
 
     __slots__ = ()
     method: type[Compressor]
@@ -211,9 +253,10 @@ class _MethodState(CompressionState):
         start_iter: int = 0,
         min_numel: int = 0,
         process_group: dist.ProcessGroup | None = None,
+        ramp: int = 0,
         **options,
     ) -> None:
-        super().__init__(self.method(*args, **options), start_iter, min_numel, process_group)
+        super().__init__(self.method(*args, **options), start_iter, min_numel, process_group, ramp)
 
 
 class QuantizeState(_MethodState):
@@ -332,7 +375,7 @@ def _value(fut: torch.futures.Future):
 def _check_first_iteration(state, buffer: torch.Tensor, index: int, hook: str) -> None:
     """Every bucket of this process's first iteration: every rank must reduce a bucket of
     the same size and dtype the same way (method, options, start_iter, min_numel,
-    iteration). After it DDP's buckets are rank 0's layout, broadcast, and which path a
+    iteration, ramp). After it DDP's buckets are rank 0's layout, broadcast, and which path a
     bucket takes follows from the settings agreed here."""
     if state._pending_position is not None:
         now = checkpoint.group_position(state.process_group)
@@ -358,6 +401,7 @@ def _bucket_fields(compressor: Compressor, state, buffer: torch.Tensor, index: i
         # The lossless path ignores them: a "none" state and allreduce_hook agree.
         fields["start_iter"] = state.start_iter
         fields["min_numel"] = state.min_numel
+        fields["ramp"] = state.ramp
         fields["iteration"] = state.iteration
     fields["bucket"] = index
     fields["numel"] = buffer.numel()
