@@ -75,11 +75,29 @@ def check(method: str, allowed: tuple[str, ...] = ()) -> str:
     return method
 
 
+def _is_method(name: str, allowed: tuple[str, ...]) -> bool:
+    try:
+        check(name, allowed)
+    except argparse.ArgumentTypeError:
+        return False
+    return True
+
+
 def method_list(allowed: tuple[str, ...] = ()):
     """argparse type of ``--methods``: a comma-separated list of known methods."""
 
     def parse(text: str) -> list[str]:
-        names = [check(m.strip(), allowed) for m in text.split(",") if m.strip()]
+        # Spec options ride on commas too ("q1,ramp=200,topk:0.01"): a piece that is an
+        # option (name=value, or a bare name that is no method) belongs to the method before.
+        names: list[str] = []
+        for piece in filter(None, (m.strip() for m in text.split(","))):
+            name = piece.partition("=")[0]
+            is_option = "=" in piece or (name.isidentifier() and not _is_method(name, allowed))
+            if names and is_option:
+                names[-1] += "," + piece
+            else:
+                names.append(piece)
+        names = [check(m, allowed) for m in names]
         if not names:
             raise argparse.ArgumentTypeError("give at least one method")
         return names
@@ -90,7 +108,8 @@ def method_list(allowed: tuple[str, ...] = ()):
 METHODS_HELP = (
     "comma-separated methods: torch's allreduce (DDP's default), torch-fp16, torch-qpt "
     "(quantization_pertensor_hook), powersgd-r1, powersgd-r4, bpowersgd-r1, bpowersgd-r4 "
-    "(batched); ddpcomm's q8, q4, q2, q1, topk:R, randk:R (R: the density)"
+    "(batched); ddpcomm's q8, q4, q2, q1, topk:R, randk:R (R: the density), each with "
+    "options after commas (q1,start_iter=50,ramp=100,topk:0.01)"
 )
 
 
@@ -122,4 +141,4 @@ def formula_bytes(method: str, shapes: list[tuple[int, ...]], world: int) -> int
         return round(_ring(world, 4 * 2 * side * int(method.rsplit("r", 1)[1])))
     if method == "nocomm":
         return 0
-    return ddpcomm.parse_compression(method).wire_bytes(numel, world)
+    return _state(method)[0].compressor.wire_bytes(numel, world)
