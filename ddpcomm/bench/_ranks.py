@@ -362,4 +362,8 @@ def _main() -> None:
 
 
 if __name__ == "__main__":
-    _main()
+    # Run as the imported module, not as __main__: run_case's note() heartbeats read
+    # ddpcomm.bench._ranks._events, which _main would otherwise set in __main__ only.
+    from ddpcomm.bench import _ranks
+
+    _ranks._main()
