@@ -2,9 +2,13 @@
 
 A spec string names a method everywhere ddpcomm takes one (hooks, ``ddpcomm.all_reduce``,
 the benchmark CLI): ``none``, ``fp16``, ``bf16``, ``q8``, ``q4``, ``q2``, ``q1``,
-``topk:R`` and ``randk:R``. ``parse`` turns a spec plus keyword options into a
-compressor; a compressor object passes through unchanged. The DDP hook states also take
-flags after a comma (``q8,adaptive``): ``split_spec`` separates them; ``parse`` refuses them.
+``topk:R`` and ``randk:R``, optionally followed by options after commas
+(``"q4,error_feedback,block_size=128"``). ``parse`` turns a spec plus keyword options into
+a compressor; a compressor object passes through unchanged. Options of the DDP hook states
+(``STATE_OPTIONS``: ``start_iter``, ``min_numel``, ``ramp``, ``adaptive``,
+``adaptive_every``) may ride in the same string (``"q8,adaptive"``); ``parse`` refuses them.
+``ramp_stages`` lists the milder methods a hook state's ramp steps through before the
+method itself.
 
 >>> from ddpcomm import compressors
 >>> q = compressors.parse("q4", block_size=128)
@@ -12,10 +16,13 @@ flags after a comma (``q8,adaptive``): ``split_spec`` separates them; ``parse`` 
 (4, 128, False)
 >>> compressors.parse("q1").error_feedback    # on by default at 1 and 2 bits
 True
+>>> compressors.parse("q4,error_feedback,block_size=128").block_size
+128
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 
@@ -118,7 +125,10 @@ class Quantizer(Compressor):
     """``q8``/``q4``/``q2``/``q1``: block-wise absmax quantization, packed b-bit codes.
 
     Args:
-        bits: 8, 4, 2 or 1. ``q1`` sends sign x block mean |x| (signSGD with scale).
+        bits: 8, 4, 2 or 1. ``q1`` sends sign x block mean |x| (signSGD with scale); ``q2``
+            sends -m, 0 or +m with m = min(max |x|, 1.5 mean |x|), the clip that halves
+            its error on transformer gradients against m = max |x| (0.78 -> 0.40 relative
+            L2 per step, csrc/numerics.h).
         block_size: elements per scale; a power of two in [32, 65536]. Larger blocks send
             fewer scale bytes (4 per block) but quantize with a coarser step.
         stochastic: unbiased stochastic rounding instead of round-to-nearest. Costs one
@@ -342,40 +352,90 @@ class RandomK(_Sparsifier):
 # --------------------------------------------------------------------------------------
 
 SPECS = ("none", "fp16", "bf16", "q8", "q4", "q2", "q1", "topk:R", "randk:R")
-# Flags a spec string may end with, after commas (``"q8,adaptive"``): options of the DDP
-# hook states (how buckets are routed), not of the method, so ``parse`` refuses them.
-STATE_FLAGS = ("adaptive",)
+# Options a spec string may carry that belong to the hook state, not to the method.
+STATE_OPTIONS = ("start_iter", "min_numel", "ramp", "adaptive", "adaptive_every")
+_VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def split_spec(spec: str | Compressor) -> tuple[str | Compressor, dict]:
-    """``"q8,adaptive"`` -> ``("q8", {"adaptive": True})``: the method's spec, then the
-    hook-state flags given after commas. A compressor object passes through.
+def _spec_value(key: str, text: str):
+    """An option's value as written in a spec: true/false, an int, a float, a dtype name
+    (value_dtype) or a plain string (algorithm)."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if key == "value_dtype":
+        if low not in _VALUE_DTYPES:
+            raise ValueError(f"value_dtype must be one of {sorted(_VALUE_DTYPES)}, got {text!r}")
+        return _VALUE_DTYPES[low]
+    for kind in (int, float):
+        try:
+            return kind(low)
+        except ValueError:
+            pass
+    return low
 
-    >>> split_spec("topk:0.01, adaptive")
-    ('topk:0.01', {'adaptive': True})
+
+def split_spec(spec: str) -> tuple[str, dict]:
+    """``"q2,ramp=200,block_size=128"`` -> ``("q2", {"ramp": 200, "block_size": 128})``.
+
+    A spec is the method (with its ``:R`` argument), then comma-separated options:
+    ``name=value``, or a bare ``name`` meaning ``name=true``.
     """
-    if not isinstance(spec, str) or "," not in spec:
-        return spec, {}
-    method, *flags = (part.strip() for part in spec.split(","))
-    state = {}
-    for flag in flags:
-        if flag.lower() not in STATE_FLAGS:
+    method, *parts = spec.split(",")
+    options: dict = {}
+    for part in parts:
+        key, eq, text = part.strip().partition("=")
+        key = key.strip().lower()
+        if not key.isidentifier():
+            raise ValueError(f"compression spec {spec!r}: malformed option {part.strip()!r}")
+        if key in options:
+            raise ValueError(f"compression spec {spec!r} gives option {key!r} twice")
+        options[key] = _spec_value(key, text) if eq else True
+    return method.strip(), options
+
+
+def take_state_options(spec: str) -> tuple[str, dict]:
+    """``"q1,ramp=200,block_size=128"`` -> ``("q1,block_size=128", {"ramp": 200})``: the
+    hook states' options (``STATE_OPTIONS``) taken out of a spec, the rest left for ``parse``.
+    """
+    _, options = split_spec(spec)  # validates the whole spec
+    state = {k: options[k] for k in STATE_OPTIONS if k in options}
+    kept = [
+        part
+        for part in spec.split(",")[1:]
+        if part.strip().partition("=")[0].strip().lower() not in STATE_OPTIONS
+    ]
+    return ",".join([spec.split(",")[0], *kept]), state
+
+
+def merge_options(spec: str, spec_options: dict, options: dict) -> dict:
+    both = sorted(set(spec_options) & set(options))
+    if both:
+        raise ValueError(f"option(s) {both} given both in the spec {spec!r} and as keywords")
+    return {**spec_options, **options}
+
+
+def _check_spec_options(spec: str, spec_options: dict, cls: type) -> None:
+    """A ValueError naming an option written in ``spec`` that neither ``cls`` nor the hook
+    states take (keyword options reach ``cls`` and raise its TypeError)."""
+    params = inspect.signature(cls.__init__).parameters
+    known = [p for p in params if p not in ("self", "bits", "ratio")]
+    for key in spec_options:
+        if key not in known:
             raise ValueError(
-                f"compression spec {spec!r}: unknown flag {flag!r} after ','; known flags: "
-                f"{', '.join(STATE_FLAGS)}"
+                f"compression spec {spec!r}: unknown option {key!r}; {cls.__name__} takes "
+                f"{', '.join(known)}; the hook states take {', '.join(STATE_OPTIONS)}"
             )
-        if flag.lower() in state:
-            raise ValueError(f"compression spec {spec!r}: flag {flag!r} given twice")
-        state[flag.lower()] = True
-    return method, state
 
 
 def parse(spec: str | Compressor, **options) -> Compressor:
     """Builds the compressor a spec string names; options go to its constructor.
 
-    A compressor object (of any ``Compressor`` subclass) passes through unchanged. Raises
-    ValueError for an unknown spec (listing the known ones) or a malformed argument, and
-    TypeError for an unknown option.
+    Options may also be written in the spec, after commas (``"q4,error_feedback"``,
+    ``"topk:0.01,value_dtype=bfloat16"``; see :func:`split_spec`). A compressor object (of
+    any ``Compressor`` subclass) passes through unchanged. Raises ValueError for an unknown
+    spec (listing the known ones), a malformed argument or a hook state's option
+    (``start_iter``, ``min_numel``, ``ramp``), and TypeError for an unknown option.
     """
     if isinstance(spec, Compressor):
         if options:
@@ -383,13 +443,15 @@ def parse(spec: str | Compressor, **options) -> Compressor:
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"compression must be a spec string or a Compressor, got {spec!r}")
-    if "," in spec:
+    method, spec_options = split_spec(spec)
+    options = merge_options(spec, spec_options, options)
+    state_options = sorted(set(options) & set(STATE_OPTIONS))
+    if state_options:
         raise ValueError(
-            f"compression spec {spec!r}: what follows ',' ({', '.join(STATE_FLAGS)}) is an "
-            "option of the DDP hook states (ddpcomm.CompressionState and the named states), "
-            "not of the method; give this call the method alone"
+            f"{state_options} are settings of the hook state (ddpcomm.CompressionState), "
+            f"not of the method {method!r}"
         )
-    name, colon, arg = spec.strip().partition(":")
+    name, colon, arg = method.partition(":")
     name = name.lower()
     if name in ("topk", "randk"):
         if not arg:
@@ -398,15 +460,54 @@ def parse(spec: str | Compressor, **options) -> Compressor:
             ratio = float(arg)
         except ValueError:
             raise ValueError(f"ratio must be a number in (0, 1], got {arg!r}") from None
-        return (TopK if name == "topk" else RandomK)(ratio, **options)
+        cls = TopK if name == "topk" else RandomK
+        _check_spec_options(spec, spec_options, cls)
+        return cls(ratio, **options)
     if name not in ("none", "fp16", "bf16", "q8", "q4", "q2", "q1"):
         raise ValueError(f"unknown compression spec {spec!r}; known methods: {', '.join(SPECS)}")
     if colon:
         raise ValueError(f"compression spec {name!r} takes no ':' argument, got {arg!r}")
     if name.startswith("q"):
+        _check_spec_options(spec, spec_options, Quantizer)
         return Quantizer(bits=int(name[1:]), **options)
     if options:
         raise ValueError(f"compression {name!r} takes no options, got {sorted(options)}")
     if name == "none":
         return NoCompression()
     return CastCompression(torch.float16 if name == "fp16" else torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------
+# Ramps: the milder methods a schedule steps through before reaching the target
+# --------------------------------------------------------------------------------------
+
+RAMP_BITS = (8, 4, 2)  # q1's ramp: q8, q4, q2, then q1
+RAMP_DENSITY_FACTOR = 0.25  # DGC's sparsity warm-up: densities 25%, 6.25%, 1.5625%, ...
+
+
+def ramp_stages(c: Compressor) -> list[Compressor]:
+    """The methods a ramp steps through, mildest first, before ``c`` itself.
+
+    A quantizer at b bits steps through every bit width of ``RAMP_BITS`` above b; a
+    sparsifier at density R through 25%, 6.25%, ... (each a quarter of the one before)
+    while above R. Every stage keeps ``c``'s other options, error feedback included, and
+    uses the same residuals: error feedback carries what a stage did not send into the
+    next. q8 and densities of 25% or more have no stages; lossless and cast methods have
+    nothing to ramp and raise ValueError.
+    """
+    if isinstance(c, Quantizer):
+        return [
+            Quantizer(b, c.block_size, c.stochastic, c.error_feedback, c.algorithm, c.seed)
+            for b in RAMP_BITS
+            if b > c.bits
+        ]
+    if isinstance(c, (TopK, RandomK)):
+        densities = []
+        d = RAMP_DENSITY_FACTOR
+        while d > c.ratio:
+            densities.append(d)
+            d *= RAMP_DENSITY_FACTOR
+        if isinstance(c, TopK):
+            return [TopK(d, c.approximate, c.error_feedback, c.value_dtype) for d in densities]
+        return [RandomK(d, c.seed, c.error_feedback) for d in densities]
+    raise ValueError(f"ramp needs a quantizer (q4, q2, q1) or a sparsifier, got {c.spec!r}")

@@ -29,7 +29,8 @@ from ddpcomm.compressors import (
     check_float_tensor,
     check_int,
     parse,
-    split_spec,
+    ramp_stages,
+    take_state_options,
 )
 from ddpcomm.context import ReduceContext, ResidualMemory, Stats, Workspace
 from ddpcomm.layout import LayoutTracker, Reformer
@@ -41,20 +42,26 @@ class CompressionState:
     Args:
         compression: a spec string (``"q8"``, ``"q4"``, ``"q2"``, ``"q1"``, ``"topk:0.01"``,
             ``"randk:0.01"``, ``"fp16"``, ``"bf16"``, ``"none"``) or a compressor object
-            from ``ddpcomm.compressors``. A spec may end with ``",adaptive"``
-            (``"q8,adaptive"``), the same as ``adaptive=True``.
-        start_iter: iterations (backward passes) before this one use a plain all_reduce.
-            Lets DDP settle its bucket layout and the model leave its first, large-gradient
-            steps before compression starts.
+            from ``ddpcomm.compressors``.
+        start_iter: iterations (backward passes) before this one use a plain all_reduce:
+            the full-precision warm-up. Lets DDP settle its bucket layout and the model
+            (and Adam's moments) leave its first, large-gradient steps before compression
+            starts.
         min_numel: buckets with fewer elements go uncompressed (latency-bound anyway).
         process_group: the group to reduce over; None means the default group.
+        ramp: iterations after ``start_iter`` that step through milder versions of the
+            method before it (``compressors.ramp_stages``: q1 runs q8, q4, q2; topk:0.01
+            runs 25%, 6.25%, 1.5625% density), the ``ramp`` iterations split evenly
+            between them in order. The residuals carry across stages.
         adaptive: time the plain and the compressed path per bucket size class and send
             plain where compression does not pay (``ddpcomm.adaptive``). Off by default:
             with it, which buckets are compressed depends on measured speed, so two runs
             of the same script need not give the same numbers bit for bit.
         adaptive_every: steps between the adaptive decisions (re-evaluations).
         **options: the method's options (``block_size``, ``error_feedback``, ...; see its
-            class in ``ddpcomm.compressors``), with a spec string only.
+            class in ``ddpcomm.compressors``), with a spec string only. A spec string may
+            also carry them and ``start_iter``, ``min_numel``, ``ramp`` after commas:
+            ``"q1,start_iter=50,ramp=200"``.
 
     Example::
 
@@ -69,6 +76,7 @@ class CompressionState:
         "adaptive",
         "start_iter",
         "min_numel",
+        "ramp",
         "process_group",
         "iteration",
         "memory",
@@ -78,6 +86,7 @@ class CompressionState:
         "_stats",
         "_unchecked",
         "_pending_position",
+        "_stages",
         "__weakref__",
     )
 
@@ -87,17 +96,38 @@ class CompressionState:
         start_iter: int = 0,
         min_numel: int = 0,
         process_group: dist.ProcessGroup | None = None,
+        ramp: int = 0,
         adaptive: bool = False,
         adaptive_every: int = DEFAULT_EVERY,
         **options,
     ) -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a ProcessGroup or None, got {process_group!r}")
-        compression, flags = split_spec(compression)
+        if isinstance(compression, str):
+            compression, spec_state = take_state_options(compression)
+            given = {
+                "start_iter": start_iter,
+                "min_numel": min_numel,
+                "ramp": ramp,
+                "adaptive": adaptive,
+                "adaptive_every": adaptive_every,
+            }
+            default = {"adaptive": False, "adaptive_every": DEFAULT_EVERY}
+            for name, value in spec_state.items():
+                if given[name] not in (default.get(name, 0), value):
+                    raise ValueError(
+                        f"{name} given both in the spec and as a keyword "
+                        f"({value!r}, {given[name]!r})"
+                    )
+                given[name] = value
+            start_iter, min_numel, ramp = given["start_iter"], given["min_numel"], given["ramp"]
+            adaptive, adaptive_every = given["adaptive"], given["adaptive_every"]
         self.compressor = parse(compression, **options)
-        self.adaptive = _make_adaptive(self.compressor, adaptive, adaptive_every, flags)
+        self.adaptive = _make_adaptive(self.compressor, adaptive, adaptive_every)
         self.start_iter = check_int(start_iter, "start_iter", 0)
         self.min_numel = check_int(min_numel, "min_numel", 0)
+        self.ramp = check_int(ramp, "ramp", 0)
+        self._stages = ramp_stages(self.compressor) if self.ramp else []
         self.process_group = process_group
         self.iteration = 0
         self.memory = ResidualMemory()
@@ -142,8 +172,16 @@ class CompressionState:
             return collectives.plain_all_reduce(flat, ctx)
         if self.adaptive is not None:
             step = self.iteration - self.start_iter
-            return self.adaptive.reduce(flat, self.compressor, ctx, step)
-        return collectives.all_reduce_mean(flat, self.compressor, ctx)
+            return self.adaptive.reduce(flat, self.compressor_at(self.iteration), ctx, step)
+        return collectives.all_reduce_mean(flat, self.compressor_at(self.iteration), ctx)
+
+    def compressor_at(self, iteration: int) -> Compressor:
+        """The method iteration ``iteration`` compresses with (at or after ``start_iter``):
+        a ramp stage during the ``ramp`` iterations after ``start_iter``, then the method."""
+        done = iteration - self.start_iter
+        if not self._stages or not 0 <= done < self.ramp:
+            return self.compressor
+        return self._stages[done * len(self._stages) // self.ramp]
 
     # -- checkpointing -----------------------------------------------------------------
 
@@ -166,6 +204,7 @@ class CompressionState:
             "iteration": self.iteration,
             "start_iter": self.start_iter,
             "min_numel": self.min_numel,
+            "ramp": self.ramp,
             "memory": self.memory.state_dict(),
             "layout": self.layout.state_dict(),
         }
@@ -191,6 +230,8 @@ class CompressionState:
                 f"state_dict was saved with config {tuple(sd['config'])}, this state has "
                 f"{self.compressor.config()}"
             )
+        # Absent from checkpoints of earlier versions, which had no ramp.
+        ramp = check_int(sd.get("ramp", 0), "state_dict['ramp']", 0)
         if ("adaptive" in sd) != (self.adaptive is not None):
             raise ValueError(
                 f"state_dict was saved with adaptive={'adaptive' in sd}, this state has "
@@ -201,6 +242,8 @@ class CompressionState:
         self.iteration = sd["iteration"]
         self.start_iter = sd["start_iter"]
         self.min_numel = sd["min_numel"]
+        self.ramp = ramp
+        self._stages = ramp_stages(self.compressor) if ramp else []
         if drop:
             self.memory = ResidualMemory()
         else:
@@ -229,16 +272,17 @@ class CompressionState:
         adaptive = "" if self.adaptive is None else f"adaptive=True (every {self.adaptive.every}), "
         return (
             f"{type(self).__name__}({self.compressor!r}, start_iter={self.start_iter}, "
-            f"min_numel={self.min_numel}, {adaptive}iteration={self.iteration})"
+            f"min_numel={self.min_numel}, ramp={self.ramp}, {adaptive}"
+            f"iteration={self.iteration})"
         )
 
 
-def _make_adaptive(compressor: Compressor, adaptive, every, flags: dict) -> Adaptive | None:
-    """The state's ``Adaptive`` router, or None; ``flags`` are the spec string's."""
+def _make_adaptive(compressor: Compressor, adaptive, every) -> Adaptive | None:
+    """The state's ``Adaptive`` router, or None."""
     if not isinstance(adaptive, bool):
         raise TypeError(f"adaptive must be a bool, got {adaptive!r}")
     every = check_int(every, "adaptive_every", MIN_EVERY)  # checked even when unused
-    if not (adaptive or flags.get("adaptive")):
+    if not adaptive:
         return None
     if not compressor.lossy:
         raise ValueError(
@@ -250,7 +294,7 @@ def _make_adaptive(compressor: Compressor, adaptive, every, flags: dict) -> Adap
 class _MethodState(CompressionState):
     """A ``CompressionState`` whose method is fixed: ``cls(*args, **options)`` builds
     ``CompressionState(cls.method(*args, **method_options), start_iter, min_numel,
-    process_group)``, so the method's arguments and defaults are its class's alone."""
+    process_group, ramp)``, so the method's arguments and defaults are its class's alone."""
 
     __slots__ = ()
     method: type[Compressor]
@@ -261,6 +305,7 @@ class _MethodState(CompressionState):
         start_iter: int = 0,
         min_numel: int = 0,
         process_group: dist.ProcessGroup | None = None,
+        ramp: int = 0,
         adaptive: bool = False,
         adaptive_every: int = DEFAULT_EVERY,
         **options,
@@ -270,6 +315,7 @@ class _MethodState(CompressionState):
             start_iter,
             min_numel,
             process_group,
+            ramp,
             adaptive=adaptive,
             adaptive_every=adaptive_every,
         )
@@ -391,7 +437,7 @@ def _value(fut: torch.futures.Future):
 def _check_first_iteration(state, buffer: torch.Tensor, index: int, hook: str) -> None:
     """Every bucket of this process's first iteration: every rank must reduce a bucket of
     the same size and dtype the same way (method, options, start_iter, min_numel,
-    iteration). After it DDP's buckets are rank 0's layout, broadcast, and which path a
+    iteration, ramp). After it DDP's buckets are rank 0's layout, broadcast, and which path a
     bucket takes follows from the settings agreed here."""
     if state._pending_position is not None:
         now = checkpoint.group_position(state.process_group)
@@ -417,6 +463,7 @@ def _bucket_fields(compressor: Compressor, state, buffer: torch.Tensor, index: i
         # The lossless path ignores them: a "none" state and allreduce_hook agree.
         fields["start_iter"] = state.start_iter
         fields["min_numel"] = state.min_numel
+        fields["ramp"] = state.ramp
         fields["iteration"] = state.iteration
         fields["adaptive"] = state.adaptive is not None
         if state.adaptive is not None:

@@ -6,9 +6,10 @@ to it. It is slow and allocates freely; nothing on a hot path calls it.
 
 Packed quantized payload (see csrc/numerics.h): ``ceil(numel / B)`` records of
 ``4 + B * bits / 8`` bytes, each a float32 block magnitude ``m`` followed by the block's
-codes packed LSB-first. ``m`` is the block absmax (bits >= 2, or stochastic 1-bit) or the
-mean |x| over the block's valid elements (deterministic 1-bit); a block with a non-finite
-value stores NaN. Signed code k in [-L, L], L = 2**(bits-1) - 1, is stored as k + L and
+codes packed LSB-first. ``m`` is the block absmax (bits >= 4, or stochastic 1- and 2-bit),
+the mean |x| over the block's valid elements (deterministic 1-bit) or min(absmax, 1.5 mean
+|x|) (deterministic 2-bit, numerics.h kTernaryClip); a block with a non-finite value
+stores NaN. Signed code k in [-L, L], L = 2**(bits-1) - 1, is stored as k + L and
 dequantizes to ``m * (k / L)``; 1-bit code c dequantizes to ``+m if c else -m``.
 
 Every float an op writes that is NaN is its dtype's canonical NaN (:func:`canonical`): IEEE
@@ -135,10 +136,11 @@ def _unpack(code_bytes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _magnitudes(e: torch.Tensor, valid: torch.Tensor, bits: int, stochastic: bool):
     finite = torch.isfinite(e).all(1)
-    if bits == 1 and not stochastic:
-        m = _tree_sum(e.abs()) / valid.float()
-    else:
-        m = e.abs().amax(1)
+    m = e.abs().amax(1)
+    if bits <= 2 and not stochastic:
+        mean = _tree_sum(e.abs()) / valid.float()
+        # 2-bit: clipped at 1.5 mean |x| (numerics.h kTernaryClip, mean_magnitude).
+        m = mean if bits == 1 else torch.minimum(m, torch.tensor(1.5, dtype=torch.float32) * mean)
     return torch.where(finite, m, torch.full_like(m, float("nan")))
 
 

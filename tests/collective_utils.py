@@ -94,10 +94,12 @@ def quantization_error_bound(
 ) -> torch.Tensor:
     """Analytic per-element bound on |result - exact mean| for deterministic rounding.
 
-    Each rank's quantization moves x by at most step/2 = m / (2L) (b >= 2) or by at most
-    |x| + m (1-bit: sign times block mean |x|). The result is the mean of the dequantized
-    payloads; two-phase re-quantizes that mean, adding its own bound on blocks laid out
-    from each chunk's start. The small relative slack covers fp32 rounding of sums.
+    Each rank's quantization moves x by at most step/2 = m / (2L) (b >= 4), by at most
+    max(absmax / 2, |x|) (2-bit: |x| <= m rounds within m / 2, a value above the clipped
+    m codes +-m) or by at most |x| + m (1-bit: sign times block mean |x|). The result is
+    the mean of the dequantized payloads; two-phase re-quantizes that mean, adding its own
+    bound on blocks laid out from each chunk's start. The small relative slack covers fp32
+    rounding of sums.
     """
     world = len(xs)
 
@@ -105,6 +107,8 @@ def quantization_error_bound(
         if bits == 1:
             # m <= block absmax, so |x - deq| <= |x| + absmax.
             return x.abs() + block_absmax(x, BLOCK)
+        if bits == 2:
+            return torch.maximum(block_absmax(x, BLOCK) / 2, x.abs())
         return block_absmax(x, BLOCK) / (2 * reference.max_level(bits))
 
     bound = sum(one(x) for x in xs) / world

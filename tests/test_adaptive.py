@@ -348,8 +348,8 @@ def test_named_states_take_adaptive():
 @pytest.mark.parametrize(
     "spec, kwargs, exc, match",
     [
-        ("q8,adaptiv", {}, ValueError, "unknown flag 'adaptiv'"),
-        ("q8,adaptive,adaptive", {}, ValueError, "given twice"),
+        ("q8,adaptiv", {}, ValueError, "unknown option 'adaptiv'"),
+        ("q8,adaptive,adaptive", {}, ValueError, "option .adaptive. twice"),
         ("none,adaptive", {}, ValueError, "adaptive needs a compressing method"),
         ("q8", {"adaptive": 1}, TypeError, "adaptive must be a bool"),
         ("q8", {"adaptive": True, "adaptive_every": 2}, ValueError, "adaptive_every must be >="),
@@ -362,7 +362,7 @@ def test_bad_adaptive_arguments(spec, kwargs, exc, match):
 
 
 def test_adaptive_is_not_a_method_option():
-    with pytest.raises(ValueError, match="option of the DDP hook states"):
+    with pytest.raises(ValueError, match="settings of the hook state"):
         ddpcomm.parse_compression("q8,adaptive")
 
 

@@ -99,6 +99,8 @@ def _hook_cases():
         "seed": ("seed", spec("q4", stochastic=True, seed=1)),
         "start_iter": ("start_iter", quant(start_iter=1)),
         "min_numel": ("min_numel", quant(min_numel=10**6)),
+        "ramp": ("ramp", quant(ramp=3)),
+        "topk_ramp": ("ramp", spec("topk:0.01,ramp=5", "topk:0.01,ramp=6")),
         "iteration": ("iteration", loaded_iteration),
         "topk_ratio": ("compression", spec("topk:0.01", "topk:0.02")),
         "topk_approximate": ("approximate", spec("topk:0.1", approximate=True)),

@@ -159,6 +159,21 @@ def test_train_quick(cwd, tmp_path):
     assert q8["compress_s_per_step"] >= 0 and q8["max_param_diff"] > 0
 
 
+def test_train_accumulation_and_scheduled_spec(cwd, tmp_path):
+    # Spec options ride on --methods' commas; one exchange per step under --accum.
+    out = tmp_path / "t.json"
+    bench(
+        cwd, "train", "--quick", "--accum", "2", "--lr-decay", "cosine",
+        "--methods", "ddp,q1,start_iter=2,ramp=4,block_size=64", "--out", str(out),
+    )  # fmt: skip
+    ddp, q1 = json.loads(out.read_text())["rows"]
+    assert q1["method"] == "q1,start_iter=2,ramp=4,block_size=64"
+    for r in (ddp, q1):
+        assert r["status"] == "ok" and r["replicas_identical"], r
+    # 10 timed steps: 4 ramp iterations (q8, q4, q2) and 6 at q1, one bucket exchange each.
+    assert q1["paths"]["q_all_gather"] == 10, q1["paths"]
+
+
 def test_fsdp_quick(cwd, tmp_path):
     out = tmp_path / "f.json"
     proc = bench(cwd, "fsdp", "--quick", "--out", str(out))

@@ -61,9 +61,12 @@ def block_absmax(x: torch.Tensor) -> torch.Tensor:
 
 def quantization_bound(chunks: list[torch.Tensor], bits: int) -> torch.Tensor:
     """Bound on |sum of dequantized chunks - exact sum| for round-to-nearest: step/2 =
-    absmax / (2L) per element and rank (b >= 2); for 1 bit, |x| + absmax."""
+    absmax / (2L) per element and rank (b >= 4); for 2 bits max(absmax / 2, |x|) (a value
+    above the clipped magnitude codes +-m); for 1 bit, |x| + absmax."""
     if bits == 1:
         return sum(c.abs() + block_absmax(c) for c in chunks)
+    if bits == 2:
+        return sum(torch.maximum(block_absmax(c) / 2, c.abs()) for c in chunks)
     return sum(block_absmax(c) for c in chunks) / (2 * reference.max_level(bits))
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import ddpcomm
+from ddpcomm import compressors
 from ddpcomm.compressors import parse
 
 
@@ -165,3 +166,82 @@ def test_state_pickles_and_round_trips(make, other, kind):
         assert torch.equal(restored.memory.buffers[(kind, 3)], torch.arange(10.0))
     with pytest.raises(ValueError, match="config"):
         other().load_state_dict(state.state_dict())
+
+
+# --------------------------------------------------------------------------------------
+# Options in spec strings, warm-up and ramp schedules
+# --------------------------------------------------------------------------------------
+
+
+def test_spec_options():
+    assert parse("q4,error_feedback,block_size=128") == parse(
+        "q4", error_feedback=True, block_size=128
+    )
+    assert parse(" topk:0.01 , value_dtype=bfloat16, approximate=true") == parse(
+        "topk:0.01", value_dtype=torch.bfloat16, approximate=True
+    )
+    assert parse("q2,error_feedback=false").error_feedback is False
+    assert parse("randk:0.1,seed=4").seed == 4
+    state = ddpcomm.CompressionState("q1,start_iter=5,min_numel=7,ramp=30,block_size=64")
+    assert (state.start_iter, state.min_numel, state.ramp) == (5, 7, 30)
+    assert state.compressor == parse("q1", block_size=64)
+    assert ddpcomm.CompressionState("q2", ramp=4).ramp == ddpcomm.QuantizeState(2, ramp=4).ramp
+
+
+@pytest.mark.parametrize(
+    "build, exc, match",
+    [
+        (lambda: parse("q4,block_size=100"), ValueError, "block_size must be a power of two"),
+        (lambda: parse("q4,bits=2"), ValueError, "unknown option .bits."),
+        (lambda: parse("q4,colour=red"), ValueError, "unknown option .colour."),
+        (lambda: parse("q4,error_feedback=2"), TypeError, "error_feedback must be a bool"),
+        (lambda: parse("q4,=3"), ValueError, "malformed option '=3'"),
+        (lambda: parse("q4,seed=1,seed=2"), ValueError, "option 'seed' twice"),
+        (lambda: parse("q4,seed=1", seed=2), ValueError, r"\['seed'\] given both"),
+        (lambda: parse("q4,ramp=3"), ValueError, "settings of the hook state"),
+        (lambda: parse("topk:0.1,value_dtype=int8"), ValueError, "value_dtype must be one of"),
+        (lambda: parse("fp16,seed=1"), ValueError, "takes no options"),
+        (lambda: ddpcomm.CompressionState("q4", ramp=-1), ValueError, "ramp must be >= 0"),
+        (lambda: ddpcomm.CompressionState("q4,ramp=1.5"), TypeError, "ramp must be an int"),
+        (lambda: ddpcomm.TopKState(ramp=True), TypeError, "ramp must be an int"),
+        (lambda: ddpcomm.CompressionState("fp16", ramp=10), ValueError, "ramp needs a"),
+        (
+            lambda: ddpcomm.CompressionState("q4,start_iter=2", start_iter=3),
+            ValueError,
+            "start_iter given both",
+        ),
+    ],
+)
+def test_bad_spec_options_and_ramps(build, exc, match):
+    with pytest.raises(exc, match=match):
+        build()
+
+
+def test_ramp_steps_through_milder_stages_in_order():
+    state = ddpcomm.CompressionState("q1", start_iter=10, ramp=7)
+    specs = [state.compressor_at(i).spec for i in range(10, 19)]
+    # 7 iterations over 3 stages: stage i starts at ceil(7 i / 3) iterations in.
+    assert specs == ["q8", "q8", "q8", "q4", "q4", "q2", "q2", "q1", "q1"]
+    assert all(state.compressor_at(i).error_feedback for i in range(10, 19))
+    assert state.compressor_at(12).block_size == state.compressor.block_size
+    topk = ddpcomm.TopKState(0.001, ramp=100, value_dtype=torch.float16)
+    ratios = [c.ratio for c in compressors.ramp_stages(topk.compressor)]
+    assert ratios == [0.25**i for i in range(1, 5)]  # 25% ... 0.390625%, then 0.1%
+    assert topk.compressor_at(99).ratio == 0.25**4 and topk.compressor_at(100).ratio == 0.001
+    assert topk.compressor_at(0).value_dtype == torch.float16
+    # Nothing milder to step through: the method from the start.
+    for spec in ("q8", "topk:0.3"):
+        state = ddpcomm.CompressionState(spec, ramp=50)
+        assert state.compressor_at(0) is state.compressor
+
+
+def test_ramp_round_trips_through_state_dict():
+    state = ddpcomm.CompressionState("q2,start_iter=3,ramp=12")
+    fresh = ddpcomm.CompressionState("q2")
+    fresh.load_state_dict(state.state_dict())
+    assert fresh.ramp == 12 and fresh.compressor_at(3).spec == "q8"
+    assert pickle.loads(pickle.dumps(state)).ramp == 12
+    old = state.state_dict()
+    del old["ramp"]  # a checkpoint from before ramps existed
+    fresh.load_state_dict(old)
+    assert fresh.ramp == 0 and fresh.compressor_at(3).spec == "q2"

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -171,6 +172,46 @@ def check_start_iter_and_min_numel(rank, world, make_state):
     paths = state.stats()["paths"]
     assert state.iteration == 5
     assert paths["plain"] > 0 and paths[compressed_path(state, world)] > 0
+
+
+RAMPS = {
+    "q1": "q1,start_iter=2,ramp=6",
+    "q4-ef": "q4,error_feedback,start_iter=1,ramp=3",
+    "topk": "topk:0.01,start_iter=2,ramp=6",
+    "randk": "randk:0.01,ramp=6,seed=3",
+}
+
+
+def check_ramp(rank, world, spec):
+    """A warm-up and ramp through the state's own reduce: results bitwise identical on
+    every rank, each iteration on its documented stage, and error feedback exact across
+    stage changes: the sum of the means sent plus the mean residual is the mean of the
+    summed inputs (up to fp32 rounding), so nothing a stage left unsent is lost."""
+    state = ddpcomm.CompressionState(spec)
+    n, steps = 5000, state.start_iter + state.ramp + 2
+    sent, inputs = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    used = []
+    for it in range(steps):
+        g = torch.Generator().manual_seed(1000 * it + rank)
+        x = torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(4)  # heavy tails
+        inputs += x.double()
+        out = state.reduce(x.clone(), 0, ()).wait()
+        assert identical_across_ranks(out, world), f"iteration {it}: ranks differ"
+        sent += out.double()
+        used.append(state.compressor_at(it).spec if it >= state.start_iter else "plain")
+        state.iteration += 1
+    kind = {"q": "q", "t": "topk", "r": "randk"}[spec[0]]
+    residual = state.memory.buffers.get((kind, 0))
+    every = [torch.empty_like(inputs) for _ in range(world)]
+    dist.all_gather(every, inputs)
+    mean_inputs = sum(every) / world
+    if residual is not None:  # error feedback on
+        res = [torch.empty(n, dtype=torch.float32) for _ in range(world)]
+        dist.all_gather(res, residual)
+        sent += sum(r.double() for r in res) / world
+        err = (sent - mean_inputs).norm() / mean_inputs.norm()
+        assert err < 1e-5, f"error feedback lost {err:.2e} across the ramp"
+    return used
 
 
 DEFAULT_STATES = {
@@ -361,6 +402,8 @@ def plan(rank: int, world: int, device: str):
     if world == 2:
         for name, make in OPTIONS.items():
             yield ("options", name), p(check_start_iter_and_min_numel, rank, world, make)
+        for name, spec in RAMPS.items():
+            yield ("ramp", name), p(check_ramp, rank, world, spec)
         for name, (hook, cls) in DEFAULT_STATES.items():
             yield ("state_none", name), p(check_state_none, rank, world, hook, cls)
         yield ("torch_compile",), p(check_torch_compile, rank, world)
@@ -443,6 +486,24 @@ def test_many_small_buckets_three_ranks(groups, method):
 @pytest.mark.parametrize("method", OPTIONS)
 def test_start_iter_and_min_numel(groups, method):
     groups.values(2, "cpu", "options", method)
+
+
+RAMP_STAGES = {
+    "q1": ["plain"] * 2 + ["q8"] * 2 + ["q4"] * 2 + ["q2"] * 2 + ["q1"] * 2,
+    "q4-ef": ["plain", "q8", "q8", "q8", "q4", "q4"],
+    "topk": ["plain"] * 2
+    + [f"topk:{r!r}" for r in (0.25, 0.25, 0.0625, 0.0625)]
+    + [f"topk:{0.25**3!r}"] * 2
+    + ["topk:0.01"] * 2,
+    "randk": [f"randk:{r!r}" for r in (0.25, 0.25, 0.0625, 0.0625, 0.25**3, 0.25**3)]
+    + ["randk:0.01"] * 2,
+}
+
+
+@pytest.mark.parametrize("method", RAMPS)
+def test_warmup_and_ramp_keep_ranks_identical_and_error_feedback_exact(groups, method):
+    for used in groups.values(2, "cpu", "ramp", method):
+        assert used == RAMP_STAGES[method]
 
 
 @pytest.mark.parametrize("hook", DEFAULT_STATES)

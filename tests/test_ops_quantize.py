@@ -382,7 +382,7 @@ def _magnitudes(packed, n, bits, block):
     return packed.view(nb, rec)[:, :4].contiguous().view(torch.float32).view(nb)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [4, 8])
 def test_error_bound_half_step(device, bits):
     # Deterministic rounding: |x - deq(q(x))| <= step/2 with step = m / L per block. The
     # dequantized level m * (k / L) carries one extra fp32 rounding of k / L, so allow
@@ -394,6 +394,28 @@ def test_error_bound_half_step(device, bits):
     m = _magnitudes(packed.cpu(), n, bits, block).repeat_interleave(block)[:n]
     step = m / ref.max_level(bits)
     assert bool(((x - deq).abs() <= step / 2 + m * 2**-22).all())
+
+
+def test_two_bit_magnitude_is_clipped(device):
+    # Deterministic 2-bit: m = min(max |x|, 1.5 mean |x|) per block; values within m round
+    # to the nearest of -m, 0, m (half-step bound), values beyond it code sign(x) * m.
+    n, block = 10_007, 256
+    x = _input(n, torch.float32)
+    packed = ops.quantize(x.to(device), None, 2, block)
+    deq = ops.dequantize(packed, n, 2, block, torch.float32).cpu()
+    m = _magnitudes(packed.cpu(), n, 2, block)
+    blocks = torch.zeros(m.numel() * block)
+    blocks[:n] = x
+    blocks = blocks.view(-1, block).abs()
+    valid = torch.full_like(m, block)
+    valid[-1] = n - (m.numel() - 1) * block
+    mean = ref._tree_sum(blocks) / valid
+    assert torch.equal(m, torch.minimum(blocks.amax(1), torch.tensor(1.5) * mean))
+    assert bool((m < blocks.amax(1)).any()), "no block was clipped: the test shows nothing"
+    m = m.repeat_interleave(block)[:n]
+    inside = x.abs() <= m
+    assert bool(((x - deq).abs()[inside] <= (m / 2 + m * 2**-22)[inside]).all())
+    assert torch.equal(deq[~inside], (torch.sign(x) * m)[~inside])
 
 
 def test_one_bit_error_bound(device):

@@ -30,12 +30,14 @@ void encode_block(const float* e, int64_t valid, int64_t B, uint8_t* record, flo
                   uint64_t key, int64_t index0, float* scratch, uint8_t* codes) {
   float m;
   uint32_t nonfinite = 0;
-  if (kBits == 1 && !kStochastic) {
+  if (uses_mean(kBits, kStochastic)) {
+    float absmax = 0.0f;
     for (int64_t j = 0; j < B; ++j) {
       scratch[j] = fabsf(e[j]);
+      absmax = scratch[j] > absmax ? scratch[j] : absmax;
       nonfinite |= (uint32_t)!is_finite(e[j]);
     }
-    m = valid > 0 ? meanabs(block_tree_sum(scratch, B), valid) : 0.0f;
+    m = valid > 0 ? mean_magnitude(kBits, absmax, block_tree_sum(scratch, B), valid) : 0.0f;
   } else {
     // |x| compared as its bit pattern: for non-negative floats the integer order is the
     // float order, and an integer max reduction vectorizes where a float one may not.

@@ -399,7 +399,8 @@ struct EncodeThread {
   int64_t start;  // first element of the block
   int64_t valid;  // elements of the block below numel (0 for an idle group)
   bool active;    // blk < nblocks
-  bool tree;      // deterministic 1-bit: magnitude from the tree sum
+  bool tree;      // deterministic 1-, 2-bit: magnitude from the tree sum (numerics.h)
+  int bits;
 
   // Element offset within the block of this thread's row r.
   __device__ __forceinline__ int64_t row_offset(int r) const {
@@ -417,6 +418,7 @@ __device__ __forceinline__ EncodeThread encode_thread(const EncodeParams& p) {
   t.start = t.blk * B;
   t.valid = t.active ? (p.n - t.start < B ? p.n - t.start : B) : 0;
   t.tree = false;
+  t.bits = 0;
   return t;
 }
 
@@ -433,7 +435,7 @@ __device__ __forceinline__ float block_magnitude(const EncodeThread& t, float (&
     for (int k = 0; k < 4; ++k) s4[k] = part[k] + part[k + 4];
 #pragma unroll
     for (int k = 0; k < 2; ++k) s2[k] = s4[k] + s4[k + 2];
-    m = meanabs(s2[0] + s2[1], t.valid);
+    m = mean_magnitude(t.bits, mx, s2[0] + s2[1], t.valid);
   } else {
     group_reduce<0>(part, mx, log2_group, s);
     m = mx;
@@ -480,7 +482,8 @@ __global__ void __launch_bounds__(kThreads) encode_kernel_regs(Src src, EncodePa
   fill_levels<kBits>(levels);
   __syncthreads();
   EncodeThread t = encode_thread(p);
-  t.tree = kBits == 1 && !p.stochastic;
+  t.tree = uses_mean(kBits, p.stochastic);
+  t.bits = kBits;
   const int R = p.rows;
 
   float v[kRows][kVec];
@@ -584,6 +587,7 @@ __device__ __forceinline__ EncodeThread split_thread(const EncodeParams& p, int6
   t.start = blk * B;
   t.valid = p.n - t.start < B ? p.n - t.start : B;
   t.tree = false;
+  t.bits = 0;
   return t;
 }
 
@@ -599,7 +603,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t blk = blockIdx.x >> p.log2_slices;
   const int s = blockIdx.x & ((1 << p.log2_slices) - 1);
   const EncodeThread t = split_thread(p, blk);
-  const bool tree = kBits == 1 && !p.stochastic;
+  const bool tree = uses_mean(kBits, p.stochastic);
   const int log2_mine = 31 - __clz(p.rows) - p.log2_slices, mine = 1 << log2_mine;
 
   TreeStack stack;
@@ -644,7 +648,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t blk = blockIdx.x;
   const int S = 1 << p.log2_slices;
   EncodeThread t = split_thread(p, blk);
-  t.tree = kBits == 1 && !p.stochastic;
+  t.tree = uses_mean(kBits, p.stochastic);
+  t.bits = kBits;
   float mx = 0.0f;
   for (int s = 0; s < S; ++s) mx = fmaxf(mx, part_max[blk * S + s]);
   float part[kVec];
@@ -707,7 +712,7 @@ bool grid_fits(int64_t ctas) { return ctas >= 1 && ctas <= 0x7fffffffLL; }
 // Split path scratch: one max per CTA, and for the tree kThreads * kVec sums per CTA.
 int64_t split_workspace_floats(const EncodeParams& p, int bits, int64_t ctas) {
   if (p.rows <= kMaxRegRows) return 0;
-  const bool tree = bits == 1 && !p.stochastic;
+  const bool tree = uses_mean(bits, p.stochastic);
   return ctas + (tree ? ctas * kThreads * kVec : 0);
 }
 

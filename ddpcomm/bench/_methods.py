@@ -12,7 +12,6 @@ import math
 
 import ddpcomm
 from ddpcomm import adaptive
-from ddpcomm.compressors import STATE_FLAGS, split_spec
 
 # torch's hooks, as PyTorch users run them today.
 TORCH = {
@@ -79,17 +78,29 @@ def check(method: str, allowed: tuple[str, ...] = ()) -> str:
     return method
 
 
+def _is_method(name: str, allowed: tuple[str, ...]) -> bool:
+    try:
+        check(name, allowed)
+    except argparse.ArgumentTypeError:
+        return False
+    return True
+
+
 def method_list(allowed: tuple[str, ...] = ()):
-    """argparse type of ``--methods``: a comma-separated list of known methods. A state
-    flag joins the method before it: ``q8,q8,adaptive`` is q8, then q8 with adaptive."""
+    """argparse type of ``--methods``: a comma-separated list of known methods. An option
+    joins the method before it: ``q8,q8,adaptive`` is q8, then q8 with adaptive."""
 
     def parse(text: str) -> list[str]:
+        # Spec options ride on commas too ("q1,ramp=200,topk:0.01"): a piece that is an
+        # option (name=value, or a bare name that is no method) belongs to the method before.
         names: list[str] = []
-        for m in filter(None, (m.strip() for m in text.split(","))):
-            if m.lower() in STATE_FLAGS and names:
-                names[-1] += f",{m.lower()}"
+        for piece in filter(None, (m.strip() for m in text.split(","))):
+            name = piece.partition("=")[0]
+            is_option = "=" in piece or (name.isidentifier() and not _is_method(name, allowed))
+            if names and is_option:
+                names[-1] += "," + piece
             else:
-                names.append(m)
+                names.append(piece)
         names = [check(m, allowed) for m in names]
         if not names:
             raise argparse.ArgumentTypeError("give at least one method")
@@ -101,8 +112,9 @@ def method_list(allowed: tuple[str, ...] = ()):
 METHODS_HELP = (
     "comma-separated methods: torch's allreduce (DDP's default), torch-fp16, torch-qpt "
     "(quantization_pertensor_hook), powersgd-r1, powersgd-r4, bpowersgd-r1, bpowersgd-r4 "
-    "(batched); ddpcomm's q8, q4, q2, q1, topk:R, randk:R (R: the density), each "
-    "optionally followed by ',adaptive' (adaptive pass-through)"
+    "(batched); ddpcomm's q8, q4, q2, q1, topk:R, randk:R (R: the density), each with "
+    "options after commas (q1,start_iter=50,ramp=100,topk:0.01; q8,adaptive for adaptive "
+    "pass-through)"
 )
 
 
@@ -134,5 +146,4 @@ def formula_bytes(method: str, shapes: list[tuple[int, ...]], world: int) -> int
         return round(_ring(world, 4 * 2 * side * int(method.rsplit("r", 1)[1])))
     if method == "nocomm":
         return 0
-    # An adaptive method's bytes are its method's; stats() shows what it really sent.
-    return ddpcomm.parse_compression(split_spec(method)[0]).wire_bytes(numel, world)
+    return _state(method)[0].compressor.wire_bytes(numel, world)

@@ -10,6 +10,7 @@ step, as it does for large models on 1-10 Gbit/s links.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import os
@@ -84,6 +85,20 @@ def add_arguments(p) -> None:
     p.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
     p.add_argument("--vocab", type=int, default=4096, help="vocabulary size (default 4096)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument(
+        "--accum",
+        type=int,
+        default=1,
+        help="micro-batches of --batch sequences per optimizer step, gradients accumulated "
+        "locally (DDP no_sync) and exchanged once per step (default 1)",
+    )
+    p.add_argument(
+        "--lr-decay",
+        choices=("none", "cosine"),
+        default="none",
+        help="after the 10-step linear warm-up: constant (none, default) or cosine decay "
+        "to 10%% of --lr at the last step",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
     p.add_argument(
         "--link", metavar="RATE", help="shape each rank's link to RATE (1gbit, 10gbit); needs root"
@@ -100,7 +115,7 @@ def add_arguments(p) -> None:
 
 
 def _config(args) -> GPTConfig:
-    for name in ("world", "steps", "batch", "seq", "eval_batch"):
+    for name in ("world", "steps", "batch", "seq", "eval_batch", "accum"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.world < 2:
@@ -127,7 +142,8 @@ def run(args, command: str = "train") -> int:
     grad_bytes = 4 * num_params(GPT(cfg))
     world = _ranks.world_size(args.world)
     settings = {
-        k: getattr(args, k) for k in ("steps", "warmup_steps", "batch", "eval_batch", "lr", "seed")
+        k: getattr(args, k)
+        for k in ("steps", "warmup_steps", "batch", "eval_batch", "lr", "seed", "accum", "lr_decay")
     }
     cases = [
         {
@@ -183,6 +199,14 @@ def _counting(hook, method: str, world: int, counter: list):
     return wrapper
 
 
+def _lr_factor(s: int, steps: int, decay: str) -> float:
+    """Linear warm-up over 10 steps (Adam's first steps on a fresh transformer are large
+    enough to swamp any difference between methods), then constant or cosine to 10%."""
+    if s < 10 or decay == "none":
+        return min(1.0, (s + 1) / 10)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (s - 10) / max(1, steps - 11))))
+
+
 def run_case(case: dict, common: dict, device: torch.device) -> dict:
     """Trains the model once with one method on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -200,18 +224,25 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
             hook = _counting(hook, method, world, counter)
         net.register_comm_hook(state, hook)
     opt = torch.optim.AdamW(model.parameters(), lr=case["lr"], betas=(0.9, 0.95), weight_decay=0.0)
-    # Linear warm-up over 10 steps: Adam's first steps on a fresh transformer are large
-    # enough to swamp any difference between methods.
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, functools.partial(_lr_factor, steps=steps, decay=case.get("lr_decay", "none"))
+    )
     lang = Language(cfg.vocab, seed=case["seed"])
+    accum = case.get("accum", 1)
 
-    def step(x, y) -> float:
-        loss = net(x, y)
-        loss.backward()
+    def step(batches) -> float:
+        total = 0.0
+        for j, (x, y) in enumerate(batches):
+            # Gradients of all but the last micro-batch stay local: one exchange per step.
+            sync = j + 1 == len(batches) or method == "nocomm"
+            with contextlib.nullcontext() if sync else net.no_sync():
+                loss = net(x.to(device), y.to(device)) / len(batches)
+                loss.backward()
+            total += loss.item()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-        return loss.item()
+        return total
 
     losses, times, last_note = [], [], time.perf_counter()
     for i in range(steps):
@@ -219,8 +250,11 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
             tx0, sent0 = _ranks.tx_bytes(common.get("ifname")), counter[0]
             if hasattr(state, "reset_stats"):
                 state.reset_stats()
-        x, y = lang.batch(case["batch"], cfg.seq, seed=(i * 1000 + rank) * 7919 + 17)
-        loss, seconds = wall(lambda x=x, y=y: step(x.to(device), y.to(device)), device)
+        batches = [
+            lang.batch(case["batch"], cfg.seq, seed=((i * accum + j) * 1000 + rank) * 7919 + 17)
+            for j in range(accum)
+        ]
+        loss, seconds = wall(lambda b=batches: step(b), device)
         losses.append(loss)
         times.append(seconds)
         if not math.isfinite(loss):
