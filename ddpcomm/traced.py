@@ -12,18 +12,17 @@ changing Python int would make dynamo recompile the backward every step).
 What each method does here:
 
 - ``none``, ``fp16``, ``bf16``: an all_reduce of the (cast) gradient, as torch's own hooks.
-- ``q8`` ... ``q1``: one all_gather of every rank's payload, summed in rank order (the
-  all_gather algorithm, whatever ``algorithm="auto"`` picks for buckets); error feedback
-  keeps one residual per parameter in the state.
+- ``q8`` ... ``q1``: the algorithm buckets would take (``algorithm="auto"``: all_gather for
+  up to 2 ranks, two-phase above), per parameter; error feedback keeps the residuals of
+  each parameter in the state.
 - ``topk:R``: one all_gather of the (index, value) payloads, summed in rank order, or a
   dense fp32 all_reduce where that sends fewer bytes (as for buckets), with its
   per-parameter residual.
 
 Every rank sums the same payloads in the same order, so the result is bitwise identical
 on every rank. What needs a per-step random key (stochastic rounding, approximate top-k,
-random-k), the two-phase algorithm (a second collective ordered through Futures) and
-``start_iter`` (a step counter) is refused with an error naming the method and why.
-Residuals are keyed by the parameter tensor itself: the same key every step, whatever
+random-k) or a step counter (``start_iter``) is refused with an error naming the method
+and why. Residuals are keyed by the parameter tensor itself: the same key every step, whatever
 order the hooks run in.
 """
 
@@ -84,11 +83,6 @@ def unsupported(compressor: Compressor, start_iter: int) -> str | None:
             "backward graph every step; use start_iter=0"
         )
     if isinstance(compressor, Quantizer):
-        if compressor.algorithm == "two_phase":
-            return (
-                "algorithm='two_phase' orders its second collective through Futures; "
-                "use algorithm='all_gather' or 'auto'"
-            )
         if compressor.stochastic:
             return "stochastic rounding draws from a per-step stream; use stochastic=False"
         return None
@@ -129,18 +123,56 @@ def reduce_param(
         wire = grad.to(compressor.dtype).div_(world)
         grad.copy_(fcol.all_reduce(wire, "sum", pg))
         return
-    residual = _residual(residuals, param, n, grad.device) if compressor.error_feedback else None
     if isinstance(compressor, Quantizer):
-        q = compressor
-        payload = ops.quantize(flat, residual, q.bits, q.block_size)
-        rows = _all_gather(payload, 0, pg).view(world, -1)
-        mean = ops.dequantize_sum(rows, n, q.bits, q.block_size, world, grad.dtype)
-        if residual is not None:
-            magnitudes = rows.view(-1, q.record_bytes)[:, :4].contiguous().view(torch.float32)
-            _reset_unless(residual, magnitudes)
+        mean = _quantized(compressor, flat, residuals, param, pg, world)
     else:
+        ef = compressor.error_feedback
+        residual = _residual(residuals, param, n, grad.device) if ef else None
         mean = _topk(compressor, flat, residual, pg, world)
     grad.copy_(mean.view(grad.shape))
+
+
+def _quantized(q: Quantizer, flat, residuals: dict, param, pg, world: int) -> torch.Tensor:
+    """collectives' two quantized algorithms, per parameter and in program order: the
+    collectives of a traced backward are issued in the order they are traced, the same on
+    every rank, so two-phase needs no sequencer here."""
+    n, bits, block = flat.numel(), q.bits, q.block_size
+    if q.resolve_algorithm(world) == "all_gather":
+        residual = _residual(residuals, param, n, flat.device) if q.error_feedback else None
+        payload = ops.quantize(flat, residual, bits, block)
+        gathered = _all_gather(payload, 0, pg)
+        mean = ops.dequantize_sum(
+            gathered.view(world, payload.numel()), n, bits, block, world, flat.dtype
+        )
+    else:
+        # Phase 1: each rank sums and re-quantizes its chunk of every rank's payload;
+        # phase 2: the re-quantized chunks are all-gathered. One residual buffer holds
+        # the sender's residual (n) and this rank's owner residual (its chunk).
+        rank = dist.get_rank(pg)
+        chunk = q.chunk_numel(n, world)
+        splits = q.two_phase_splits(n, world)
+        owned = max(0, min(n, (rank + 1) * chunk) - rank * chunk)
+        both = _residual(residuals, param, n + owned, flat.device) if q.error_feedback else None
+        residual = None if both is None else both[:n]
+        payload = ops.quantize(flat, residual, bits, block)
+        received = fcol.all_to_all_single(payload, [splits[rank]] * world, splits, pg)
+        reduced = ops.dequantize_sum_requantize(
+            received.view(world, splits[rank]),
+            None if both is None else both[n:],
+            owned,
+            bits,
+            block,
+            world,
+        )
+        pad = (chunk // block) * q.record_bytes - reduced.numel()  # short trailing chunks
+        gathered = _all_gather(torch.cat([reduced, reduced.new_zeros(pad)]), 0, pg)
+        mean = ops.dequantize(gathered, n, bits, block, flat.dtype)
+        residual = both
+    if residual is not None:
+        # Every rank sees every block magnitude in `gathered`, so all agree on a reset.
+        magnitudes = gathered.view(-1, q.record_bytes)[:, :4].contiguous().view(torch.float32)
+        _reset_unless(residual, magnitudes)
+    return mean
 
 
 def _topk(c: TopK, flat, residual, pg, world: int) -> torch.Tensor:

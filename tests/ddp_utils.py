@@ -93,7 +93,7 @@ def train(
         with compiled_backward(compiled_autograd):
             loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return model, losses
 
 

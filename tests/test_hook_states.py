@@ -126,7 +126,6 @@ def test_integer_bucket_rejected(hook, state):
     [
         (ddpcomm.randomk_hook, None, "per-step seed"),
         (ddpcomm.quantize_hook, ddpcomm.QuantizeState(stochastic=True), "stochastic"),
-        (ddpcomm.quantize_hook, ddpcomm.QuantizeState(algorithm="two_phase"), "two_phase"),
         (ddpcomm.topk_hook, ddpcomm.TopKState(approximate=True), "approximate"),
         (ddpcomm.compress_hook, ddpcomm.CompressionState("q4", start_iter=3), "start_iter"),
     ],
