@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ddpcomm import agreement, checkpoint, collectives
+from ddpcomm import agreement, checkpoint, collectives, traced
 from ddpcomm.adaptive import DEFAULT_EVERY, MIN_EVERY, Adaptive
 from ddpcomm.compressors import (
     Compressor,
@@ -87,6 +87,7 @@ class CompressionState:
         "_unchecked",
         "_pending_position",
         "_stages",
+        "param_residuals",
         "__weakref__",
     )
 
@@ -139,6 +140,8 @@ class CompressionState:
         # ranks (hooks.py _check_first_iteration); again after load_state_dict.
         self._unchecked = True
         self._pending_position: tuple | None = None  # saved (rank, world) to check
+        # Error-feedback residuals of DDP's python_reducer path, per parameter (traced.py).
+        self.param_residuals: dict[torch.Tensor, torch.Tensor] = {}
 
     def stats(self) -> dict:
         """Bytes handed to collectives, the plain all_reduce equivalent, compression time,
@@ -391,15 +394,9 @@ def _hook(state: CompressionState, bucket: dist.GradBucket, hook: str) -> torch.
     against the bucket's layout (parameter shapes), so DDP's bucket rebuild resets them
     instead of applying them to the wrong parameters."""
     if isinstance(bucket, tuple):
-        # DDP's python_reducer (torch._dynamo.config.optimize_ddp = "python_reducer", with
-        # compiled autograd) calls hooks per parameter with (grad, param) and ignores the
-        # return value; the bucketed algorithms here cannot run that way.
-        raise NotImplementedError(
-            f"ddpcomm's {state.compressor.spec} hook was called per parameter by DDP's "
-            "python_reducer (optimize_ddp='python_reducer', compiled autograd), which "
-            "ddpcomm does not support yet; use torch.compile with the default "
-            "optimize_ddp='ddp_optimizer', or compiled autograd without ddpcomm"
-        )
+        # DDP's python_reducer (optimize_ddp="python_reducer", compiled autograd) calls
+        # hooks per parameter with (grad, param) and ignores the return value.
+        return traced.hook(state, bucket, hook)
     buffer = bucket.buffer()
     if buffer.layout == torch.strided:
         check_float_tensor(buffer, "bucket")
@@ -520,6 +517,10 @@ def allreduce_hook(
     """
     if state is not None and not isinstance(state, dist.ProcessGroup):
         raise TypeError(f"allreduce_hook takes a ProcessGroup or None, got {type(state).__name__}")
+    if isinstance(bucket, tuple):  # DDP's python_reducer: (grad, param), see _hook
+        grad, param = bucket
+        traced.reduce_param(NoCompression(), {}, grad, param, state, 0)
+        return grad
     buffer = bucket.buffer()
     params = bucket.parameters()
     if params and params[0] not in _PLAIN_SEEN:  # this model's first iteration

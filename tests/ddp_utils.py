@@ -3,6 +3,7 @@ and one training loop, on CPU or on GPU 0."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
@@ -59,9 +60,21 @@ SHALLOW = Recipe(make_model, lambda: fixed_teacher, lambda r, s: 7919 * s + r, 0
 DEEP = Recipe(make_deep_model, make_teacher, lambda r, s: 10000 * s + r, 0.05, 0.9, 0.004, 100)
 
 
-def train(rank, recipe, state, hook, *, steps=None, model=None, start=0, device="cpu"):
+def train(
+    rank,
+    recipe,
+    state,
+    hook,
+    *,
+    steps=None,
+    model=None,
+    start=0,
+    device="cpu",
+    compiled_autograd=False,
+):
     """Trains ``model`` (default: the recipe's) under DDP with ``hook``; returns it and the
-    training losses. ``hook=None`` is DDP's default reduction."""
+    training losses. ``hook=None`` is DDP's default reduction. ``compiled_autograd`` runs
+    each backward pass under compiled autograd."""
     model = (recipe.model() if model is None else model).to(device)
     target = recipe.target()
     ddp = DDP(
@@ -77,10 +90,25 @@ def train(rank, recipe, state, hook, *, steps=None, model=None, start=0, device=
         x = torch.randn(32, 32, generator=torch.Generator().manual_seed(recipe.seed(rank, step)))
         opt.zero_grad()
         loss = nn.functional.mse_loss(ddp(x.to(device)), target(x).to(device))
-        loss.backward()
+        with compiled_backward(compiled_autograd):
+            loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return model, losses
+
+
+def compiled_backward(enable: bool):
+    """A context whose backward passes run under compiled autograd (when ``enable``),
+    compiled by one aot_eager ``torch.compile``: every traced op goes through
+    functionalization and the ops' fake impls, without inductor's C++ build."""
+    if not enable:
+        return contextlib.nullcontext()
+    from torch._dynamo import compiled_autograd
+
+    return compiled_autograd._enable(_COMPILER)
+
+
+_COMPILER = torch.compile(backend="aot_eager")
 
 
 def held_out_loss(recipe: Recipe, model: nn.Module) -> float:

@@ -123,14 +123,28 @@ def test_integer_bucket_rejected(hook, state):
 
 
 @pytest.mark.parametrize(
-    "hook",
-    [ddpcomm.compress_hook, ddpcomm.quantize_hook, ddpcomm.topk_hook, ddpcomm.randomk_hook],
+    "hook, state, why",
+    [
+        (ddpcomm.randomk_hook, None, "per-step seed"),
+        (ddpcomm.quantize_hook, ddpcomm.QuantizeState(stochastic=True), "stochastic"),
+        (ddpcomm.topk_hook, ddpcomm.TopKState(approximate=True), "approximate"),
+        (ddpcomm.compress_hook, ddpcomm.CompressionState("q4", start_iter=3), "start_iter"),
+        (ddpcomm.compress_hook, ddpcomm.CompressionState("q1,ramp=9"), "ramp"),
+        (ddpcomm.compress_hook, ddpcomm.CompressionState("q8,adaptive"), "adaptive"),
+    ],
 )
-def test_python_reducer_form_is_a_clear_error(hook):
-    # DDP's python_reducer calls hook(state, (grad, param)) per parameter.
+def test_python_reducer_refuses_what_cannot_be_traced(hook, state, why):
+    # DDP's python_reducer calls hook(state, (grad, param)) per parameter (tests/
+    # test_compile.py runs the supported methods); these fail before any collective.
     param = torch.nn.Parameter(torch.ones(4))
-    with pytest.raises(NotImplementedError, match="python_reducer"):
-        hook(None, (torch.ones(4), param))
+    with pytest.raises(NotImplementedError, match=f"python_reducer.*{why}"):
+        hook(state, (torch.ones(4), param))
+
+
+def test_python_reducer_rejects_non_float_grad():
+    param = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+    with pytest.raises(TypeError, match="grad has dtype torch.float64"):
+        ddpcomm.quantize_hook(None, (torch.ones(4, dtype=torch.float64), param))
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,212 @@
+"""DDP's python_reducer: a hook called per parameter, traced by compiled autograd.
+
+With ``torch._dynamo.config.optimize_ddp = "python_reducer"`` DDP registers a
+post-accumulate-grad hook on every parameter and calls the comm hook as
+``hook(state, (param.grad, param))``, ignoring what it returns: the hook must leave the
+mean over ranks in ``param.grad`` itself. Under compiled autograd that call is traced into
+the backward graph, so ``reduce_param`` uses only what traces: functional collectives
+(``torch.distributed._functional_collectives``), ddpcomm's ops (which have fake impls),
+tensor ops. No Futures, no host reads, no Python state that changes from step to step (a
+changing Python int would make dynamo recompile the backward every step).
+
+What each method does here:
+
+- ``none``, ``fp16``, ``bf16``: an all_reduce of the (cast) gradient, as torch's own hooks.
+- ``q8`` ... ``q1``: the algorithm buckets would take (``algorithm="auto"``: all_gather for
+  up to 2 ranks, two-phase above), per parameter; error feedback keeps the residuals of
+  each parameter in the state.
+- ``topk:R``: one all_gather of the (index, value) payloads, summed in rank order, or a
+  dense fp32 all_reduce where that sends fewer bytes (as for buckets), with its
+  per-parameter residual.
+
+Every rank sums the same payloads in the same order, so the result is bitwise identical
+on every rank. What needs a per-step random key (stochastic rounding, approximate top-k,
+random-k) or a step counter (``start_iter``) is refused with an error naming the method
+and why. Residuals are keyed by the parameter tensor itself: the same key every step, whatever
+order the hooks run in.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as fcol
+
+from ddpcomm import ops
+from ddpcomm.compressors import (
+    CastCompression,
+    Compressor,
+    NoCompression,
+    Quantizer,
+    TopK,
+)
+
+# torch 2.13 renamed all_gather_tensor to all_gather_single (the old name warns).
+_all_gather = getattr(fcol, "all_gather_single", None) or fcol.all_gather_tensor
+
+# Seed of top-k's sampling stream: used only in approximate mode, which is refused here.
+_NO_SEED = 0
+
+
+def hook(state, pair: tuple, name: str) -> torch.Tensor:
+    """The python_reducer form of a ddpcomm hook: ``pair`` is ``(grad, param)``;
+    ``state`` a ``CompressionState``. Returns the reduced ``grad`` (DDP ignores it)."""
+    grad, param = pair
+    if grad.layout != torch.strided:
+        raise NotImplementedError(
+            f"{name}: a {grad.layout} gradient under DDP's python_reducer; ddpcomm reduces "
+            "sparse gradients in DDP's bucketed mode only"
+        )
+    state.compressor.check_tensor(grad, "grad")
+    why = unsupported(state)
+    if why is not None:
+        raise NotImplementedError(
+            f"{name}: {state.compressor.spec} cannot run under DDP's python_reducer "
+            f"(optimize_ddp='python_reducer', compiled autograd): {why}"
+        )
+    reduce_param(
+        state.compressor,
+        state.param_residuals,
+        grad,
+        param,
+        state.process_group,
+        state.min_numel,
+    )
+    return grad
+
+
+def unsupported(state) -> str | None:
+    """Why ``state`` cannot run per parameter under compiled autograd, or None."""
+    counted = {"start_iter": state.start_iter, "ramp": state.ramp}
+    counted["adaptive"] = state.adaptive is not None
+    for name, value in counted.items():
+        if value:
+            return (
+                f"{name}={value} needs a step counter, which would recompile the backward "
+                f"graph every step; use {name}={0 if name != 'adaptive' else False}"
+            )
+    compressor = state.compressor
+    if isinstance(compressor, Quantizer):
+        if compressor.stochastic:
+            return "stochastic rounding draws from a per-step stream; use stochastic=False"
+        return None
+    if isinstance(compressor, TopK):
+        if compressor.approximate:
+            return "approximate selection samples with a per-step seed; use approximate=False"
+        return None
+    if isinstance(compressor, (NoCompression, CastCompression)):
+        return None
+    return (
+        "its indices are drawn from a per-step seed, which would recompile the backward "
+        "graph every step"
+    )
+
+
+def reduce_param(
+    compressor: Compressor,
+    residuals: dict,
+    grad: torch.Tensor,
+    param: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    min_numel: int,
+) -> None:
+    """Overwrites ``grad`` (``param``'s gradient) with its mean over ``group``'s ranks,
+    sent with ``compressor``. ``residuals`` maps parameters to their error-feedback
+    residuals."""
+    pg = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(pg)
+    flat = grad.reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return
+    if not compressor.lossy or n < min_numel:
+        # DDP's own python_reducer path: scale, then sum.
+        grad.copy_(fcol.all_reduce(grad * (1.0 / world), "sum", pg))
+        return
+    if isinstance(compressor, CastCompression):
+        wire = grad.to(compressor.dtype).div_(world)
+        grad.copy_(fcol.all_reduce(wire, "sum", pg))
+        return
+    if isinstance(compressor, Quantizer):
+        mean = _quantized(compressor, flat, residuals, param, pg, world)
+    else:
+        ef = compressor.error_feedback
+        residual = _residual(residuals, param, n, grad.device) if ef else None
+        mean = _topk(compressor, flat, residual, pg, world)
+    grad.copy_(mean.view(grad.shape))
+
+
+def _quantized(q: Quantizer, flat, residuals: dict, param, pg, world: int) -> torch.Tensor:
+    """collectives' two quantized algorithms, per parameter and in program order: the
+    collectives of a traced backward are issued in the order they are traced, the same on
+    every rank, so two-phase needs no sequencer here."""
+    n, bits, block = flat.numel(), q.bits, q.block_size
+    if q.resolve_algorithm(world) == "all_gather":
+        residual = _residual(residuals, param, n, flat.device) if q.error_feedback else None
+        payload = ops.quantize(flat, residual, bits, block)
+        gathered = _all_gather(payload, 0, pg)
+        mean = ops.dequantize_sum(
+            gathered.view(world, payload.numel()), n, bits, block, world, flat.dtype
+        )
+    else:
+        # Phase 1: each rank sums and re-quantizes its chunk of every rank's payload;
+        # phase 2: the re-quantized chunks are all-gathered. One residual buffer holds
+        # the sender's residual (n) and this rank's owner residual (its chunk).
+        rank = dist.get_rank(pg)
+        chunk = q.chunk_numel(n, world)
+        splits = q.two_phase_splits(n, world)
+        owned = max(0, min(n, (rank + 1) * chunk) - rank * chunk)
+        both = _residual(residuals, param, n + owned, flat.device) if q.error_feedback else None
+        residual = None if both is None else both[:n]
+        payload = ops.quantize(flat, residual, bits, block)
+        received = fcol.all_to_all_single(payload, [splits[rank]] * world, splits, pg)
+        reduced = ops.dequantize_sum_requantize(
+            received.view(world, splits[rank]),
+            None if both is None else both[n:],
+            owned,
+            bits,
+            block,
+            world,
+        )
+        pad = (chunk // block) * q.record_bytes - reduced.numel()  # short trailing chunks
+        gathered = _all_gather(torch.cat([reduced, reduced.new_zeros(pad)]), 0, pg)
+        mean = ops.dequantize(gathered[: q.payload_bytes(n)], n, bits, block, flat.dtype)
+        residual = both
+    if residual is not None:
+        # Every rank sees every block magnitude in `gathered`, so all agree on a reset.
+        magnitudes = gathered.view(-1, q.record_bytes)[:, :4].contiguous().view(torch.float32)
+        _reset_unless(residual, magnitudes)
+    return mean
+
+
+def _topk(c: TopK, flat, residual, pg, world: int) -> torch.Tensor:
+    """collectives._topk's two paths, per parameter: the payloads all-gathered and summed
+    in rank order, or (when they would outweigh it) a dense fp32 all_reduce."""
+    n, k, vdtype = flat.numel(), c.k(flat.numel()), c.value_dtype
+    payload = ops.topk_compress(flat, residual, k, False, _NO_SEED, 0, vdtype)
+    if c.use_dense(n, world):
+        mine = ops.sparse_accumulate(
+            payload.view(1, -1), n, k, 1, vdtype, torch.float32, check=False
+        )
+        total = fcol.all_reduce(mine, "sum", pg)
+        if residual is not None:
+            _reset_unless(residual, total)
+        return total.div(world).to(flat.dtype)
+    rows = _all_gather(payload, 0, pg).view(world, -1)
+    mean = ops.sparse_accumulate(rows, n, k, world, vdtype, flat.dtype, check=False)
+    if residual is not None:
+        _reset_unless(residual, rows[:, 4 * k :].contiguous().view(vdtype))
+    return mean
+
+
+def _residual(residuals: dict, param: torch.Tensor, n: int, device) -> torch.Tensor:
+    buf = residuals.get(param)
+    if buf is None:
+        buf = residuals[param] = torch.zeros(n, dtype=torch.float32, device=device)
+    return buf
+
+
+def _reset_unless(residual: torch.Tensor, sent: torch.Tensor) -> None:
+    """Zeroes the residual when any rank sent a non-finite value (every rank sees every
+    payload, so all agree), without reading the verdict on the host."""
+    residual.masked_fill_(torch.isfinite(sent).all().logical_not(), 0.0)
