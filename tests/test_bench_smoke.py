@@ -137,7 +137,7 @@ def test_demo_quick_reports_a_failed_peer_in_one_line(cwd, tmp_path):
     assert rows["torch-qpt"]["reason"].startswith("IndexError")
     assert "quantization_hooks.py" in rows["torch-qpt"]["reason"]
     (failure,) = [line for line in proc.stderr.splitlines() if "failed" in line]
-    assert "IndexError" in failure and len(proc.stderr.splitlines()) < 20, proc.stderr
+    assert "IndexError" in failure and "Traceback" not in proc.stderr, proc.stderr
     assert len([line for line in proc.stdout.splitlines() if "IndexError" in line]) == 1
     q8, ddp = rows["q8"], rows["ddp"]
     assert q8["replicas_identical"] and 0.25 < q8["bytes_per_step"] / ddp["bytes_per_step"] < 0.26
