@@ -306,10 +306,17 @@ class ReduceContext:
     def reset_unless(self, finite: torch.Tensor) -> None:
         """Zeroes this call's residuals where the 0-dim bool ``finite`` is False.
 
-        A device-side select, not a Python branch: reading ``finite`` on the host would
-        stall the stream (and DDP's backward) on every bucket. After a non-finite step the
-        residuals hold NaN/Inf; zeroing them keeps the next step's input clean.
+        On a GPU a device-side select, not a Python branch: reading ``finite`` on the host
+        would stall the stream (and DDP's backward) on every bucket. On the CPU the value is
+        already there, and a branch spares a pass over every residual at every step. After
+        a non-finite step the residuals hold NaN/Inf; zeroing them keeps the next step's
+        input clean.
         """
+        if finite.device.type == "cpu":
+            if not bool(finite):
+                for buf in self.residuals:
+                    buf.zero_()
+            return
         for buf in self.residuals:
             buf.masked_fill_(finite.logical_not(), 0.0)
 
