@@ -96,7 +96,7 @@ $(CUDA_CHECK_DIR)/%.syntax: csrc/cuda/%.cpp $(CUDA_HDRS) $(VENV)/.deps
 # Regenerates the collectives_* and train_* files in benchmarks/, as its README lists.
 .PHONY: bench-net
 bench-net: all
-	$(PY) -m ddpcomm.bench collectives --link 1gbit --world 2 --sizes 64 --methods allreduce,q8,q4,q1,topk:0.01,randk:0.01 --iters 9 --out benchmarks/collectives_1gbit_2ranks.json > benchmarks/collectives_1gbit_2ranks.txt
+	$(PY) -m ddpcomm.bench collectives --link 1gbit --world 2 --sizes 64 --methods allreduce,q8,q4,q2,q1,topk:0.01,randk:0.01 --iters 9 --out benchmarks/collectives_1gbit_2ranks.json > benchmarks/collectives_1gbit_2ranks.txt
 	$(PY) -m ddpcomm.bench collectives --link 1gbit --world 4 --sizes 64 --methods allreduce,torch-fp16,torch-qpt,q8 --iters 5 --out benchmarks/collectives_1gbit_4ranks.json > benchmarks/collectives_1gbit_4ranks.txt
 	$(PY) -m ddpcomm.bench collectives --link 10gbit --world 2 --sizes 16,64 --methods allreduce,torch-fp16,powersgd-r4,q8,q4,q1 --iters 5 --out benchmarks/collectives_10gbit_2ranks.json > benchmarks/collectives_10gbit_2ranks.txt
 	$(PY) -m ddpcomm.bench train --link 1gbit --methods nocomm,ddp,q8,q4 --out benchmarks/train_1gbit_2ranks.json --plot benchmarks/train_1gbit_2ranks.png > benchmarks/train_1gbit_2ranks.txt
