@@ -460,14 +460,15 @@ def test_constant_blocks_round_trip_exactly(device, bits):
 
 
 def test_error_feedback_accumulates_exactly(device):
-    # residual after = e - deq(code(e)), so x + r_before == deq + r_after elementwise.
+    # residual after = e - deq(code(e)), so x + r_before == deq + r_after elementwise, up
+    # to the rounding of the sum (q2 clips its scale, so a residual can be as large as x).
     n = 5000
     x = _input(n, torch.float32).to(device)
     r = (torch.randn(n) * 0.01).to(device)
     before = r.clone()
     packed = ops.quantize(x, r, 2, 256)
     deq = ops.dequantize(packed, n, 2, 256, torch.float32)
-    torch.testing.assert_close(x + before, deq + r, rtol=0, atol=1e-6)
+    torch.testing.assert_close(x + before, deq + r, rtol=2**-22, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------
