@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import importlib
 import json
+import math
 import os
 import re
 import signal
@@ -273,6 +274,27 @@ def note(label: str) -> None:
         _event("note", label=label)
     elif under_torchrun() and dist.get_rank() == 0:
         progress(label)
+
+
+class StepLog:
+    """A training case's steps: losses and times, a non-finite loss raised, and a
+    progress note (the watchdog's heartbeat) at least every 5 s and at the last step."""
+
+    def __init__(self, method: str, steps: int) -> None:
+        self.method, self.steps = method, steps
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self._noted = time.perf_counter()
+
+    def add(self, i: int, loss: float, seconds: float) -> None:
+        self.losses.append(loss)
+        self.times.append(seconds)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {i}")
+        if time.perf_counter() - self._noted > 5 or i + 1 == self.steps:
+            self._noted = time.perf_counter()
+            step = f"step {i + 1}/{self.steps}"
+            note(f"  {self.method}: {step}, loss {loss:.3f}, {seconds * 1e3:.0f} ms")
 
 
 def init_group(common: dict) -> torch.device:

@@ -12,7 +12,6 @@ import argparse
 import functools
 import math
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -295,7 +294,7 @@ def _train_case(case: dict, ifname: str | None, device: torch.device) -> dict:
         sched.step()
         return loss.item()
 
-    losses, times, last_note = [], [], time.perf_counter()
+    log = _ranks.StepLog(method, steps)
     for i in range(steps):
         if i == warm:  # counters cover the timed steps
             tx0 = _ranks.tx_bytes(ifname)
@@ -303,22 +302,14 @@ def _train_case(case: dict, ifname: str | None, device: torch.device) -> dict:
                 state.reset_stats()
         x, y = lang.batch(case["batch"], cfg.seq, seed=(i * 1000 + rank) * 7919 + 17)
         loss, seconds = wall(functools.partial(step, x, y), device)
-        losses.append(loss)
-        times.append(seconds)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {i}")
-        if time.perf_counter() - last_note > 5 or i + 1 == steps:  # progress + heartbeat
-            last_note = time.perf_counter()
-            _ranks.note(
-                f"  {method}: step {i + 1}/{steps}, loss {loss:.3f}, {seconds * 1e3:.0f} ms"
-            )
+        log.add(i, loss, seconds)
     dist.barrier()
     tx1 = _ranks.tx_bytes(ifname)
     ex, ey = lang.batch(case["eval_batch"], cfg.seq, seed=999_999_937)  # train's held-out batch
     with torch.no_grad():
         eval_loss = model(ex.to(device), ey.to(device)).item()
     every = [None] * world  # per rank: (losses, times, eval loss); nocomm's ranks differ
-    dist.all_gather_object(every, (losses, times, eval_loss))
+    dist.all_gather_object(every, (log.losses, log.times, eval_loss))
     timed = [max(ts) for ts in zip(*(g[1] for g in every), strict=True)]  # the slowest rank's
     result = dict(
         loss=[statistics.fmean(ls) for ls in zip(*(g[0] for g in every), strict=True)],

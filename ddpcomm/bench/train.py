@@ -15,7 +15,6 @@ import functools
 import math
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -244,7 +243,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         sched.step()
         return total
 
-    losses, times, last_note = [], [], time.perf_counter()
+    log = _ranks.StepLog(method, steps)
     for i in range(steps):
         if i == warm:  # counters cover the timed steps (DDP rebuilds its buckets at step 1)
             tx0, sent0 = _ranks.tx_bytes(common.get("ifname")), counter[0]
@@ -255,15 +254,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
             for j in range(accum)
         ]
         loss, seconds = wall(lambda b=batches: step(b), device)
-        losses.append(loss)
-        times.append(seconds)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {i}")
-        if time.perf_counter() - last_note > 5 or i + 1 == steps:  # progress + heartbeat
-            last_note = time.perf_counter()
-            _ranks.note(
-                f"  {method}: step {i + 1}/{steps}, loss {loss:.3f}, {seconds * 1e3:.0f} ms"
-            )
+        log.add(i, loss, seconds)
     dist.barrier()
     tx1 = _ranks.tx_bytes(common.get("ifname"))
     # Held-out loss on one fixed batch, the same for every method and rank.
@@ -272,7 +263,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         eval_loss = model(ex.to(device), ey.to(device)).item()
     # Loss curve: mean over ranks per step. Step time: the slowest rank's.
     every = [None] * world
-    dist.all_gather_object(every, (losses, times, eval_loss))
+    dist.all_gather_object(every, (log.losses, log.times, eval_loss))
     timed, measured = [max(g[1][i] for g in every) for i in range(steps)], steps - warm
     result = dict(
         case["row"],
