@@ -46,6 +46,18 @@ def machine_line(env: dict) -> str:
     )
 
 
+def link_lines(env: dict) -> list[str]:
+    """The machine, each world size's link and its measured rate, one line each."""
+    lines = [f"machine: {machine_line(env)}"]
+    lines += [f"link, {w} ranks: {link}" for w, link in env.get("links", {}).items()]
+    lines += [
+        f"link check, {c['world']} ranks: {c['link_check_MiB']} MiB from rank 0 to 1 at "
+        f"{c['link_check_MBps']:.1f} MB/s"
+        for c in env.get("link_checks", [])
+    ]
+    return lines
+
+
 def finish(result: dict, report, out: str | None) -> None:
     """Writes ``result`` as JSON to ``out`` (first: the measurements survive a failed
     print), then prints its table, ``report(result)``."""

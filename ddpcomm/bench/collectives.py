@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ddpcomm import adaptive
 from ddpcomm.bench import _methods, _ranks
-from ddpcomm.bench._util import environment, finish, machine_line, short, table, wall
+from ddpcomm.bench._util import environment, finish, link_lines, short, table, wall
 
 DESCRIPTION = """\
 Reduces one gradient bucket through each method's DDP hook (torch's allreduce_hook,
@@ -292,13 +292,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
 def report(result: dict, markdown: bool = False) -> str:
     """The table of a collectives result (as printed after a run)."""
     env, rows = result["environment"], result["rows"]
-    lines = [f"machine: {machine_line(env)}"]
-    lines += [f"link, {w} ranks: {link}" for w, link in env.get("links", {}).items()]
-    lines += [
-        f"link check, {c['world']} ranks: {c['link_check_MiB']} MiB from rank 0 to 1 at "
-        f"{c['link_check_MBps']:.1f} MB/s"
-        for c in env.get("link_checks", [])
-    ]
+    lines = link_lines(env)
     order = {m: i for i, m in enumerate([*_methods.TORCH, *_methods.DDPCOMM])}
 
     def position(method: str) -> tuple[int, str]:  # q8,adaptive right after q8

@@ -21,7 +21,7 @@ import ddpcomm
 import ddpcomm.fsdp
 from ddpcomm.bench import _ranks, collectives, train
 from ddpcomm.bench._gpt import GPT, GPTConfig, Language, describe, num_params
-from ddpcomm.bench._util import environment, finish, machine_line, short, table, wall
+from ddpcomm.bench._util import environment, finish, link_lines, short, table, wall
 from ddpcomm.reduce_scatter import reduce_scatter_single
 
 DESCRIPTION = """\
@@ -333,13 +333,7 @@ def _train_case(case: dict, ifname: str | None, device: torch.device) -> dict:
 def report(result: dict, markdown: bool = False) -> str:
     """The tables of an fsdp result (as printed after a run)."""
     env, rows = result["environment"], result["rows"]
-    lines = [f"machine: {machine_line(env)}"]
-    lines += [f"link, {w} ranks: {link}" for w, link in env.get("links", {}).items()]
-    lines += [
-        f"link check, {c['world']} ranks: {c['link_check_MiB']} MiB from rank 0 to 1 at "
-        f"{c['link_check_MBps']:.1f} MB/s"
-        for c in env.get("link_checks", [])
-    ]
+    lines = link_lines(env)
     rs = [r for r in rows if r["part"] == "rs"]
     if rs:
         lines += ["", "Reduce-scatter of one fp32 gradient (ReduceOp.AVG), per call:", ""]
