@@ -400,12 +400,9 @@ def take_state_options(spec: str) -> tuple[str, dict]:
     """
     _, options = split_spec(spec)  # validates the whole spec
     state = {k: options[k] for k in STATE_OPTIONS if k in options}
-    kept = [
-        part
-        for part in spec.split(",")[1:]
-        if part.strip().partition("=")[0].strip().lower() not in STATE_OPTIONS
-    ]
-    return ",".join([spec.split(",")[0], *kept]), state
+    method, *parts = spec.split(",")
+    kept = [p for p in parts if p.strip().partition("=")[0].strip().lower() not in STATE_OPTIONS]
+    return ",".join([method, *kept]), state
 
 
 def merge_options(spec: str, spec_options: dict, options: dict) -> dict:
