@@ -2,31 +2,41 @@
 
 Compression wins only where the link is the bottleneck: on a fast link, or for small
 buckets, quantizing and decoding cost more than the bytes saved. A hook state with
-``adaptive=True`` times both paths and routes each bucket size class (power-of-two
-numel ranges: class c holds buckets of 2^(c-1) to 2^c - 1 elements) through the faster.
+``adaptive=True`` routes each bucket size class (power-of-two numel ranges: class c holds
+buckets of 2^(c-1) to 2^c - 1 elements) through the path that makes the step faster.
+
+What is timed is the step, not the bucket. DDP overlaps communication with the backward
+pass, so one bucket's time from call to completion says little about what it costs: a
+plain bucket queued behind another looks slow, and compressing on the CPU looks free
+while it delays the backward pass. A step is timed from its first hook call to the next
+step's: the whole iteration (backward, waiting for the buckets, optimizer, forward), so
+every cost a choice moves is inside it wherever it lands (CPU: wall clock; GPU: CUDA
+events, read only once they have completed, so there is no host synchronisation).
 
 Schedule, in steps s counted from ``start_iter``:
 
-- Probe (s < 8): every class alternates, plain at even steps, compressed at odd ones. The
-  first call of each path is a warm-up (buffers, page faults) and is not counted, which
-  leaves 3 samples per path.
-- Decide (s = 8, then every ``every`` steps): each rank publishes, per class, the median
-  of its latest samples of each path through the process group's store; every rank reads
-  all of them and takes, per class and path, the maximum over ranks (a collective ends
-  when its slowest rank does). Compressed is chosen where it is estimated at least
-  ``MARGIN`` faster than plain. Every rank computes this from the same records, so every
-  rank routes every bucket the same way.
-- Re-probe: in the ``REPROBE_STEPS`` steps before each later decision, each class takes
-  the path it lost, so the next decision sees both paths as the link is now. The path in
-  use keeps being timed on every call.
+- Warm-up: step 0 sends every bucket plain and step 1 compressed, so each path's first
+  call (buffers, page faults) is out of the way. A step that still holds a path's first
+  call for some class is never timed.
+- A round A/B-tests each class seen in the step before it, one class at a time: for
+  ``SAMPLES`` cycles, one step as decided (the base), then for each class one step with
+  only that class on its other path. Undecided classes are sent plain. A round over C
+  classes takes ``SAMPLES * (C + 1)`` steps; the first starts at step 2.
+- Decide (``SLACK`` steps after the round, so GPU events have completed): each rank
+  publishes the median span of the base and of every flipped configuration through the
+  process group's store; every rank reads all of them and takes, per configuration, the
+  maximum over ranks (a step ends when its slowest rank does). A class is sent plain where
+  the step with it plain is at least ``MARGIN`` faster than with it compressed: a tie goes
+  to the method asked for, and steps vary by several percent on a busy machine. Every
+  rank computes this from the same records, so every rank routes every bucket the same way.
+- Next round: ``every`` steps after a decision; at once after a decision that changed a
+  path of one of several classes (at most ``QUICK_ROUNDS`` times in a row), since classes
+  share the link and the CPU; and at once when a class without a decision appears (all
+  ranks see the same buckets at the same step).
 
-Cost: the losing path for 2 steps in every ``every`` (default 500: 0.4% of steps), plus
-one store exchange per decision; until the first decision half the steps go plain.
-
-What is timed: from the call to the Future's completion (wall clock on the CPU; CUDA
-events, read only once they have completed, on the GPU: no host synchronisation), less
-any part of it spent waiting for the state's previous call to finish, so a bucket queued
-behind another is not charged for that one's transfer.
+Cost: one round's flipped steps (``SAMPLES * C``) every ``every`` steps (default 500:
+3% of steps with 3 classes), plus one store exchange per round; until the first
+decision, half the steps or more go plain.
 
 Error feedback: a bucket sent plain leaves its residuals untouched (the plain path is then
 bitwise DDP's default); they are added in at the bucket's next compressed step, so the
@@ -49,12 +59,14 @@ from ddpcomm.compressors import Compressor, check_int
 from ddpcomm.context import Future, ReduceContext
 
 PLAIN, COMPRESSED = "plain", "compressed"
-PROBE_STEPS = 4  # steps per path before the first decision, the first one a warm-up
-REPROBE_STEPS = 2  # steps of the losing path before each later decision
-WINDOW = 3  # latest samples kept per (class, path); the estimate is their median
-MARGIN = 0.03  # compression must be estimated this much faster than plain to be used
+WARMUP_STEPS = 2  # step 0 plain, step 1 compressed: first calls, never timed
+SAMPLES = 5  # timed steps per configuration in a round; the estimate is their median
+SLACK = 1  # steps between a round's end and its decision
+MARGIN = 0.03  # plain must make the step this much faster than compressed to be used
+QUICK_ROUNDS = 1  # rounds in a row started at once because the last one changed a path
 DEFAULT_EVERY = 500
-MIN_EVERY = REPROBE_STEPS + 1
+MIN_EVERY = 1
+BASE = "base"
 
 
 def size_class(numel: int) -> int:
@@ -62,15 +74,31 @@ def size_class(numel: int) -> int:
     return numel.bit_length()
 
 
+def first_decision(classes: int = 1) -> int:
+    """The step (after ``start_iter``) of the first decision when every step holds
+    ``classes`` size classes."""
+    return WARMUP_STEPS + SAMPLES * (classes + 1) + SLACK
+
+
 def _other(path: str) -> str:
     return PLAIN if path == COMPRESSED else COMPRESSED
+
+
+class _Step:
+    """One step's timing: its configuration, its first call and the next step's."""
+
+    __slots__ = ("step", "tag", "start", "end", "untimed")
+
+    def __init__(self, step: int, tag, start) -> None:
+        self.step, self.tag, self.start, self.end = step, tag, start, None
+        self.untimed = tag is None  # a warm-up step, a first call, or a failed bucket
 
 
 class Adaptive:
     """The routing of one hook state: measurements, decisions, counters.
 
     Args:
-        every: steps between decisions (re-evaluations), > ``REPROBE_STEPS``.
+        every: steps from a decision to the next round.
         clock: seconds, read at a call and at its completion on the CPU. A test seam:
             injected clocks make timings deterministic.
     """
@@ -80,13 +108,18 @@ class Adaptive:
         "clock",
         "decisions",
         "estimates",
-        "next_decision",
+        "next_round",
+        "round",
         "rounds",
         "counts",
+        "_quick",
+        "_step",
+        "_seen",
+        "_last_seen",
+        "_used",
+        "_open",
         "_samples",
-        "_warm",
-        "_pending",
-        "_last_done",
+        "_recent",
         "_origin",
     )
 
@@ -95,48 +128,91 @@ class Adaptive:
         self.clock = time.perf_counter if clock is None else clock
         self.decisions: dict[int, str] = {}  # class -> path, the same on every rank
         self.estimates: dict[int, tuple[float, float]] = {}  # class -> (plain, compressed) s
-        self.next_decision = 2 * PROBE_STEPS
+        self.next_round = WARMUP_STEPS
+        self.round: tuple[int, tuple[int, ...]] | None = None  # (first step, classes)
         self.rounds = 0
         self.counts: collections.Counter = collections.Counter()  # (class, path) -> calls
-        self._samples: dict[tuple[int, str], collections.deque] = {}
-        self._warm: set[tuple[int, str]] = set()
-        self._pending: collections.deque = collections.deque()  # [class, path, t0, t1]
-        self._last_done = float("-inf")
+        self._quick = 0
+        self._step = None  # the step of the latest call
+        self._seen: set[int] = set()  # classes in that step
+        self._last_seen: set[int] = set()  # classes in the step before it
+        self._used: set[tuple[int, str]] = set()  # (class, path) called at least once
+        self._open: collections.deque = collections.deque()  # _Step, not yet timed
+        self._samples: dict = {}  # round tag (BASE or a class) -> spans, this round
+        self._recent: collections.deque = collections.deque(maxlen=9)  # spans off-round
         self._origin = None  # CUDA: the event times are measured from
 
     # -- routing ----------------------------------------------------------------------
 
+    def _round_end(self) -> int:
+        start, classes = self.round
+        return start + SAMPLES * (len(classes) + 1)
+
+    def _tag(self, step: int):
+        """What step ``step`` runs: None (warm-up), BASE, or the class flipped."""
+        if step < WARMUP_STEPS:
+            return None
+        if self.round is None or step >= self._round_end():
+            return BASE
+        start, classes = self.round
+        k = (step - start) % (len(classes) + 1)
+        return BASE if k == 0 else classes[k - 1]
+
     def path(self, cls: int, step: int) -> str:
-        decision = self.decisions.get(cls)
-        if decision is None:
-            return PLAIN if step % 2 == 0 else COMPRESSED
-        if step >= self.next_decision - REPROBE_STEPS:
-            return _other(decision)
-        return decision
+        if step < WARMUP_STEPS:
+            return PLAIN if step == 0 else COMPRESSED
+        decision = self.decisions.get(cls, PLAIN)
+        return _other(decision) if self._tag(step) == cls else decision
 
     def reduce(
         self, flat: torch.Tensor, compressor: Compressor, ctx: ReduceContext, step: int
     ) -> Future:
         """``flat``'s mean over ranks by the path this step gives its class, timed."""
-        if step >= self.next_decision:
-            self.decide(step, ctx.pg)
-        self._resolve()
+        if step != self._step:
+            self._begin(step, ctx.pg, flat.device)
+        record = self._open[-1]
         cls = size_class(flat.numel())
         path = self.path(cls, step)
+        self._seen.add(cls)
         self.counts[cls, path] += 1
-        entry = [cls, path, self._now(flat.device), None]
-        self._pending.append(entry)
-        if path == PLAIN:
-            fut = collectives.plain_all_reduce(flat, ctx)
-        else:
-            fut = collectives.all_reduce_mean(flat, compressor, ctx)
+        if (cls, path) not in self._used:
+            self._used.add((cls, path))
+            record.untimed = True
+        try:
+            if path == PLAIN:
+                fut = collectives.plain_all_reduce(flat, ctx)
+            else:
+                fut = collectives.all_reduce_mean(flat, compressor, ctx)
+        except BaseException:
+            record.untimed = True
+            raise
 
         def done(f: Future):
-            value = f.value()  # raises the path's error: nothing is recorded then
-            entry[3] = self._now(flat.device)
-            return value
+            try:
+                return f.value()
+            except BaseException:
+                record.untimed = True
+                raise
 
         return fut.then(done)
+
+    def _begin(self, step: int, group: dist.ProcessGroup, device: torch.device) -> None:
+        """The first call of step ``step``: ends the last step's record, decides, starts a
+        round, opens this step's record."""
+        now = self._now(device)
+        if self._step is not None:
+            self._last_seen, self._seen = self._seen, set()
+            self._open[-1].end = now
+        self._step = step
+        self._resolve()
+        if self.round is not None and step >= self._round_end() + SLACK:
+            self._decide(step, group)
+        if self.round is None and step >= WARMUP_STEPS:
+            new = self._last_seen - self.decisions.keys()
+            if (step >= self.next_round or new) and self._last_seen:
+                self.round = (step, tuple(sorted(self._last_seen)))
+                self._samples = {}
+        self._open.append(_Step(step, self._tag(step), now))
 
     # -- measuring --------------------------------------------------------------------
 
@@ -156,35 +232,31 @@ class Adaptive:
         return self._origin.elapsed_time(t) / 1e3 if t.query() else None
 
     def _resolve(self) -> None:
-        """Turns completed calls, in call order, into samples (never waits)."""
-        while self._pending and self._pending[0][3] is not None:
-            cls, path, t0, t1 = self._pending[0]
-            end = self._seconds(t1)
-            if end is None:
-                return
-            start = self._seconds(t0)
-            if start is None:
-                return
-            self._pending.popleft()
-            start = max(start, self._last_done)  # not charged for waiting behind the last
-            self._last_done = max(self._last_done, end)
-            if (cls, path) not in self._warm:
-                self._warm.add((cls, path))  # the first call of a path is a warm-up
-                continue
-            window = self._samples.setdefault((cls, path), collections.deque(maxlen=WINDOW))
-            window.append(max(end - start, 0.0))
-
-    def measured(self, cls: int, path: str) -> float | None:
-        window = self._samples.get((cls, path))
-        return statistics.median(window) if window else None
+        """Turns ended steps, in order, into their times (never waits)."""
+        while self._open and self._open[0].end is not None:
+            record = self._open[0]
+            if not record.untimed:
+                start, end = self._seconds(record.start), self._seconds(record.end)
+                if start is None or end is None:
+                    return
+                span = max(end - start, 0.0)
+                if self.round is not None and record.step >= self.round[0]:
+                    self._samples.setdefault(record.tag, []).append(span)
+                else:
+                    self._recent.append(span)
+            self._open.popleft()
 
     # -- deciding ---------------------------------------------------------------------
 
-    def decide(self, step: int, group: dist.ProcessGroup) -> None:
-        """Every rank's medians through the store, then the same decision on every rank."""
+    def _decide(self, step: int, group: dist.ProcessGroup) -> None:
+        """Every rank's median spans through the store, then the same decision on every rank."""
         self._resolve()
-        classes = sorted({cls for cls, _ in self._warm})  # every class timed at least once
-        mine = {str(c): [self.measured(c, PLAIN), self.measured(c, COMPRESSED)] for c in classes}
+        _, classes = self.round
+        mine = {
+            str(tag): statistics.median(spans) if spans else None
+            for tag in (BASE, *classes)
+            for spans in [self._samples.get(tag, [])]
+        }
         values = agreement.exchange(
             group,
             json.dumps(mine, sort_keys=True),
@@ -192,19 +264,24 @@ class Adaptive:
             limit=agreement.hook_timeout(),
         )
         records = [json.loads(v) for v in values]
-        undecided = False
-        for key in sorted({c for r in records for c in r}, key=int):
-            pairs = [r.get(key) for r in records]
-            if any(p is None or None in p for p in pairs):
-                undecided |= int(key) not in self.decisions
-                continue  # a path not timed on some rank yet: keep what was decided
-            plain = max(p[0] for p in pairs)
-            compressed = max(p[1] for p in pairs)
-            self.estimates[int(key)] = (plain, compressed)
-            self.decisions[int(key)] = COMPRESSED if compressed < plain * (1 - MARGIN) else PLAIN
+        base = [r.get(BASE) for r in records]
+        changed = False
+        for cls in classes:
+            flipped = [r.get(str(cls)) for r in records]
+            if None in base or None in flipped:
+                continue  # not timed on some rank: keep the path it has
+            was = self.decisions.get(cls, PLAIN)
+            same, other = max(base), max(flipped)
+            plain, compressed = (same, other) if was == PLAIN else (other, same)
+            self.estimates[cls] = (plain, compressed)
+            self.decisions[cls] = PLAIN if plain < compressed * (1 - MARGIN) else COMPRESSED
+            changed |= self.decisions[cls] != was
         self.rounds += 1
-        # A class still without a decision (first seen lately) is probed again soon.
-        self.next_decision = step + (2 * PROBE_STEPS if undecided else self.every)
+        self.round, self._samples = None, {}
+        # Classes interact (they share the link and the CPU): a change is checked at once.
+        quick = changed and len(classes) > 1 and self._quick < QUICK_ROUNDS
+        self._quick = self._quick + 1 if quick else 0
+        self.next_round = step if self._quick else step + self.every
 
     # -- reporting and checkpoints ----------------------------------------------------
 
@@ -222,23 +299,23 @@ class Adaptive:
                 {
                     "numel": [1 << (c - 1) if c else 0, (1 << c) - 1],
                     "decision": self.decisions.get(c, "probing"),
-                    "estimated_ms": None
+                    "estimated_step_ms": None
                     if est is None
                     else {PLAIN: ms(est[0]), COMPRESSED: ms(est[1])},
-                    "measured_ms": {p: ms(self.measured(c, p)) for p in (PLAIN, COMPRESSED)},
                     "buckets": {p: self.counts[c, p] for p in (PLAIN, COMPRESSED)},
                 }
             )
+        recent = statistics.median(self._recent) if self._recent else None
         return {
             "every": self.every,
             "decisions": self.rounds,
-            "next_decision_iteration": start_iter + self.next_decision,
+            "probing": self.round is not None,
+            "next_round_iteration": start_iter
+            + (self.round[0] if self.round is not None else self.next_round),
+            "step_ms": ms(recent),
             "buckets": {
                 p: sum(n for (_, q), n in self.counts.items() if q == p)
-                for p in (
-                    PLAIN,
-                    COMPRESSED,
-                )
+                for p in (PLAIN, COMPRESSED)
             },
             "classes": rows,
         }
@@ -248,7 +325,7 @@ class Adaptive:
             "every": self.every,
             "decisions": dict(self.decisions),
             "estimates": {c: list(e) for c, e in self.estimates.items()},
-            "next_decision": self.next_decision,
+            "next_round": self.next_round,
             "rounds": self.rounds,
         }
 
@@ -261,10 +338,12 @@ class Adaptive:
         try:
             decisions = {int(c): p for c, p in sd["decisions"].items()}
             estimates = {int(c): (float(e[0]), float(e[1])) for c, e in sd["estimates"].items()}
-            next_decision, rounds = int(sd["next_decision"]), int(sd["rounds"])
+            # "next_decision": the key before rounds of whole-step timings
+            next_round = int(sd["next_round"] if "next_round" in sd else sd["next_decision"])
+            rounds = int(sd["rounds"])
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise ValueError(f"malformed state_dict['adaptive']: {exc!r}") from None
         if not set(decisions.values()) <= {PLAIN, COMPRESSED}:
             raise ValueError(f"state_dict['adaptive']['decisions'] has unknown paths: {decisions}")
         self.decisions, self.estimates = decisions, estimates
-        self.next_decision, self.rounds = next_decision, rounds
+        self.next_round, self.rounds, self.round = next_round, rounds, None

@@ -57,7 +57,7 @@ class CompressionState:
             plain where compression does not pay (``ddpcomm.adaptive``). Off by default:
             with it, which buckets are compressed depends on measured speed, so two runs
             of the same script need not give the same numbers bit for bit.
-        adaptive_every: steps between the adaptive decisions (re-evaluations).
+        adaptive_every: steps from one adaptive decision to the next round of timings.
         **options: the method's options (``block_size``, ``error_feedback``, ...; see its
             class in ``ddpcomm.compressors``), with a spec string only. A spec string may
             also carry them and ``start_iter``, ``min_numel``, ``ramp`` after commas:

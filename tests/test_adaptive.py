@@ -24,7 +24,12 @@ from tests.spawn_plan import Groups
 WORLD = 2
 SMALL, LARGE = 300, 5000  # two buckets per step, in different size classes
 LATE = 70000  # a third class, in some checks from a later step on
-FIRST = 2 * adaptive.PROBE_STEPS  # the step of the first decision
+FIRST = adaptive.first_decision(2)  # the step of the first decision
+ROUND = adaptive.SAMPLES * 3  # steps in a round over two classes
+SECOND = FIRST + ROUND + adaptive.SLACK  # the quick round's decision, after a change
+LATE_STEP = SECOND + 2  # the step the third class first appears in "late"
+CHANGE = SECOND  # the step the link gets fast in "changing"
+EVERY = 6  # adaptive_every in "changing"
 
 
 class Bucket:
@@ -47,7 +52,8 @@ class Bucket:
 
 
 class Clock:
-    """Fake seconds: advanced by ``cost(path, numel, step)`` when a path is entered."""
+    """Fake seconds: advanced by ``cost(path, numel, step)`` when a path is entered, and by
+    ``gap`` between a step's buckets (the backward pass between them)."""
 
     def __init__(self, cost) -> None:
         self.now, self.cost, self.step = 0.0, cost, 0
@@ -75,7 +81,9 @@ def timed_paths(clock: Clock):
         collectives.plain_all_reduce, collectives.all_reduce_mean = plain, compressed
 
 
-def run_steps(rank: int, spec: str, cost, steps: int, every: int = 500, late=None) -> dict:
+def run_steps(
+    rank: int, spec: str, cost, steps: int, every: int = 500, late=None, gap: float = 0.0
+) -> dict:
     """``steps`` iterations of two buckets through compress_hook with fake timings (and a
     third of LATE elements from step ``late`` on); per step the paths taken, the outputs'
     bytes, the inputs and the residuals' sums."""
@@ -90,6 +98,7 @@ def run_steps(rank: int, spec: str, cost, steps: int, every: int = 500, late=Non
             paths = []
             sizes = (LARGE, SMALL) if late is None or step < late else (LARGE, SMALL, LATE)
             for index, n in enumerate(sizes):
+                clock.now += gap if index else 0.0
                 g = torch.Generator().manual_seed(100 * step + 10 * index + rank)
                 grad = torch.randn(n, generator=g)
                 record["inputs"] += grad.double().sum().item()
@@ -130,7 +139,7 @@ def check_cuda_without_host_sync() -> dict:
     grads = [torch.randn(n, device="cuda") for n in (LARGE, SMALL)]
     bad = []
     try:
-        for step in range(3 * FIRST):
+        for step in range(40):
             for index, grad in enumerate(grads):
                 bucket = Bucket(index, grad.clone(), index == 1, params[index])
                 if step > 1:  # the first calls allocate buffers
@@ -152,9 +161,10 @@ def plan(rank: int, world: int, device: str):
     if device == "cuda":
         yield ("cuda",), check_cuda_without_host_sync
         return
-    yield ("slow-compression",), lambda: run_steps(rank, "q8,adaptive", constant(1.0, 2.0), 12)
-    yield ("slow-plain",), lambda: run_steps(rank, "q8,adaptive", constant(2.0, 1.0), 12)
-    yield ("late",), lambda: run_steps(rank, "q8,adaptive", constant(2.0, 1.0), 18, late=7)
+    slow_plain = constant(2.0, 1.0)
+    yield ("slow-compression",), lambda: run_steps(rank, "q8,adaptive", constant(1, 2), FIRST + 4)
+    yield ("slow-plain",), lambda: run_steps(rank, "q8,adaptive", slow_plain, SECOND + 2)
+    yield ("late",), lambda: run_steps(rank, "q8,adaptive", slow_plain, LATE_STEP + 24, late=LATE_STEP)
 
     def differing(path, numel, step):
         # Rank 0 finds compression fast for both classes; rank 1 finds it slow for the
@@ -163,23 +173,23 @@ def plan(rank: int, world: int, device: str):
             return 1.0
         return 0.5 if rank == 0 or numel == LARGE else 1.5
 
-    yield ("differing",), lambda: run_steps(rank, "q4,adaptive", differing, 12)
+    yield ("differing",), lambda: run_steps(rank, "q4,adaptive", differing, SECOND + 2, gap=0.25)
 
     def changing(path, numel, step):
-        # Compression pays until step 20, then the link gets fast and it no longer does.
+        # Compression pays until step CHANGE, then the link gets fast and it no longer does.
         if path == "plain":
-            return 1.0 if step < 20 else 0.2
+            return 1.0 if step < CHANGE else 0.2
         return 0.5
 
-    yield ("changing",), lambda: run_steps(rank, "q8,adaptive", changing, 34, every=6)
+    yield ("changing",), lambda: run_steps(rank, "q8,adaptive", changing, SECOND + 40, EVERY)
     # q1 keeps residuals (error feedback on); topk too, with another residual layout.
-    yield ("ef", "q1"), lambda: run_steps(rank, "q1,adaptive", constant(1.0, 0.5), 14, every=4)
-    yield ("ef", "topk"), lambda: run_steps(rank, "topk:0.05,adaptive", constant(1, 0.5), 14, 4)
+    yield ("ef", "q1"), lambda: run_steps(rank, "q1,adaptive", constant(1.0, 0.5), 30, every=4)
+    yield ("ef", "topk"), lambda: run_steps(rank, "topk:0.05,adaptive", constant(1, 0.5), 30, 4)
 
     def real_clock_ddp():
         state = ddpcomm.CompressionState("q8,adaptive", adaptive_every=4)
         model, _ = ddp_utils.train(
-            rank, ddp_utils.DEEP, state, ddpcomm.compress_hook, steps=2 * FIRST
+            rank, ddp_utils.DEEP, state, ddpcomm.compress_hook, steps=40
         )
         flat = ddp_utils.flat_params(model)
         return {
@@ -208,43 +218,63 @@ def per_rank(*key) -> list[dict]:
     return GROUPS.values(WORLD, "cpu", *key)
 
 
-def steady_paths(record: dict) -> list[list[str]]:
-    return record["paths"][FIRST:]
+P, C = "plain", "compressed"
+
+
+def round_paths(large: str, small: str) -> list[list[str]]:
+    """A round's paths ([LARGE, SMALL] per step) from the base (large, small): the base,
+    then SMALL flipped, then LARGE flipped (classes in size order), SAMPLES times."""
+    flip = {P: C, C: P}
+    cycle = [[large, small], [large, flip[small]], [flip[large], small]]
+    return cycle * adaptive.SAMPLES
+
+
+def test_warm_up_then_a_round_that_flips_one_class_at_a_time():
+    r = per_rank("slow-plain")[0]
+    paths = r["paths"]
+    assert paths[:2] == [[P, P], [C, C]]  # each path's first call, untimed
+    assert paths[2 : 2 + ROUND] == round_paths(P, P)  # undecided classes go plain
+    assert paths[2 + ROUND] == [P, P]  # the slack step before the decision
+    # Both classes changed to compressed: a second round at once checks them together.
+    assert paths[FIRST : FIRST + ROUND] == round_paths(C, C)
+    assert paths[SECOND:] == [[C, C]] * 2
+    assert r["stats"]["adaptive"]["decisions"] == 2
 
 
 def test_plain_chosen_when_compression_is_slow():
     for r in per_rank("slow-compression"):
-        assert r["decisions"] == {cls(LARGE): "plain", cls(SMALL): "plain"}
-        assert steady_paths(r) == [["plain", "plain"]] * (12 - FIRST)
+        assert r["decisions"] == {cls(LARGE): P, cls(SMALL): P}
+        # Nothing changed: no second round, the next one 500 steps on.
+        assert r["paths"][FIRST:] == [[P, P]] * 4
+        assert r["stats"]["adaptive"]["next_round_iteration"] == FIRST + 500
 
 
 def test_compressed_chosen_when_plain_is_slow():
     for r in per_rank("slow-plain"):
-        assert r["decisions"] == {cls(LARGE): "compressed", cls(SMALL): "compressed"}
-        assert steady_paths(r) == [["compressed", "compressed"]] * (12 - FIRST)
+        assert r["decisions"] == {cls(LARGE): C, cls(SMALL): C}
 
 
-def test_a_class_first_seen_late_is_decided_soon():
+def test_a_class_first_seen_late_starts_a_round_at_once():
     r = per_rank("late")[0]
-    # Step 7 times LATE's compressed path once (a warm-up), so the decision at step 8
-    # cannot decide it; it is probed (alternating) and decided at 16, not 500 steps on.
-    assert r["decisions"] == {c: "compressed" for c in (cls(LARGE), cls(SMALL), cls(LATE))}
-    assert [p[2] for p in r["paths"][8:16]] == ["plain", "compressed"] * 4
-    assert r["paths"][16:] == [["compressed"] * 3] * 2
-    assert r["stats"]["adaptive"]["next_decision_iteration"] == 16 + 500
-
-
-def test_probe_alternates_paths_before_the_first_decision():
-    r = per_rank("slow-plain")[0]
-    assert r["paths"][:FIRST] == [["plain"] * 2, ["compressed"] * 2] * adaptive.PROBE_STEPS
+    paths = r["paths"]
+    assert paths[LATE_STEP - 1] == [C, C]
+    assert paths[LATE_STEP] == [C, C, P]  # undecided: plain
+    # The next step starts a round over the three classes (small, large, late), base first.
+    cycle = [[C, C, P], [C, P, P], [P, C, P], [C, C, C]]
+    start, length = LATE_STEP + 1, 4 * adaptive.SAMPLES
+    assert paths[start : start + length] == cycle * adaptive.SAMPLES
+    # Decided after the slack step: a change, so a second round starts, base first.
+    assert paths[start + length + adaptive.SLACK] == [C, C, C]
+    assert r["decisions"] == {c: C for c in (cls(LARGE), cls(SMALL), cls(LATE))}
+    assert r["stats"]["adaptive"]["probing"]
 
 
 def test_decisions_identical_when_local_timings_differ():
     r0, r1 = per_rank("differing")
     # Each rank alone would decide differently for the small class; together they agree.
-    assert r0["decisions"] == r1["decisions"] == {cls(LARGE): "compressed", cls(SMALL): "plain"}
+    assert r0["decisions"] == r1["decisions"] == {cls(LARGE): C, cls(SMALL): P}
     assert r0["paths"] == r1["paths"]
-    assert r0["paths"][-1] == ["compressed", "plain"]
+    assert r0["paths"][-1] == [C, P]
 
 
 @pytest.mark.parametrize("key", ["slow-compression", "slow-plain", "differing", "changing"])
@@ -255,18 +285,20 @@ def test_results_bitwise_identical_across_ranks(key):
 
 def test_reevaluation_follows_a_change():
     r = per_rank("changing")[0]
-    big, small = cls(LARGE), cls(SMALL)
     paths = r["paths"]
-    assert paths[FIRST] == ["compressed", "compressed"]  # plain 1.0 vs compressed 0.5
-    # Decisions at 8, 14, 20, 26, 32, each after 2 steps of the losing path. The change at
-    # step 20 reaches the window of compressed samples by the decision at 26.
-    assert paths[12:14] == [["plain", "plain"]] * 2  # re-probe before step 14
-    assert paths[14] == ["compressed", "compressed"]
-    assert paths[26] == ["plain", "plain"]
-    assert paths[30:32] == [["compressed", "compressed"]] * 2  # the new loser re-probed
-    assert paths[33] == ["plain", "plain"]
-    assert r["decisions"] == {big: "plain", small: "plain"}
-    assert r["stats"]["adaptive"]["decisions"] == 5
+    # Rounds from steps 2 (decided at FIRST: compressed), FIRST (decided at SECOND: no
+    # change), SECOND + EVERY (plain got fast at SECOND: decided plain) and at once again
+    # (no change).
+    third = SECOND + EVERY
+    fourth = third + ROUND + adaptive.SLACK
+    last = fourth + ROUND + adaptive.SLACK
+    assert paths[SECOND:third] == [[C, C]] * EVERY
+    assert paths[third : third + ROUND] == round_paths(C, C)
+    assert paths[fourth : fourth + ROUND] == round_paths(P, P)
+    assert paths[last:] == [[P, P]] * (SECOND + 40 - last)
+    assert r["decisions"] == {cls(LARGE): P, cls(SMALL): P}
+    assert r["stats"]["adaptive"]["decisions"] == 4
+    assert r["stats"]["adaptive"]["next_round_iteration"] == last + EVERY
 
 
 @pytest.mark.parametrize("method", ["q1", "topk"])
@@ -274,7 +306,7 @@ def test_error_feedback_invariant_across_path_changes(method):
     records = per_rank("ef", method)
     # Both paths were taken, and a plain step never touched the residuals.
     taken = {p for r in records for step in r["paths"] for p in step}
-    assert taken == {"plain", "compressed"}
+    assert taken == {P, C}
     assert all(all(r["residual_after_plain"]) and r["residual_after_plain"] for r in records)
     # N * sum(outputs) + sum(residuals) = sum(inputs), summed over ranks.
     outputs = records[0]["outputs"]
@@ -284,19 +316,22 @@ def test_error_feedback_invariant_across_path_changes(method):
     assert WORLD * sum(outputs) + total_res == pytest.approx(total_in, abs=1e-3)
 
 
-def test_stats_show_paths_estimates_and_decisions():
+def test_stats_show_paths_and_step_time_estimates():
     r = per_rank("differing")[0]
     st = r["stats"]["adaptive"]
-    assert st["every"] == 500 and st["decisions"] == 1
-    assert st["next_decision_iteration"] == FIRST + 500
-    assert st["buckets"] == {"plain": 12, "compressed": 12}
+    assert st["every"] == 500 and st["decisions"] == 2 and not st["probing"]
+    assert st["next_round_iteration"] == SECOND + 500
+    # Every step after the rounds: large compressed (0.5) + 0.25 between buckets + small
+    # plain (1.0) on this rank.
+    assert st["step_ms"] == 1750.0
+    assert st["buckets"] == {P: 42, C: 30}
     rows = {tuple(row["numel"]): row for row in st["classes"]}
-    small = rows[(256, 511)]
-    assert small["decision"] == "plain"
-    assert small["estimated_ms"] == {"plain": 1000.0, "compressed": 1500.0}
-    assert small["buckets"] == {"plain": 4 + 4, "compressed": 4}
-    assert rows[(4096, 8191)]["decision"] == "compressed"
-    assert rows[(4096, 8191)]["measured_ms"]["compressed"] == 500.0
+    small, large = rows[(256, 511)], rows[(4096, 8191)]
+    assert small["decision"] == P and large["decision"] == C
+    # The second round's step spans, slowest rank (rank 1 compresses the small one at 1.5).
+    assert small["estimated_step_ms"] == {P: 1750.0, C: 2250.0}
+    assert large["estimated_step_ms"] == {P: 2250.0, C: 1750.0}
+    assert small["buckets"] == {P: 25, C: 11}
 
 
 def test_real_clock_ddp_training_stays_identical_across_ranks():
@@ -314,10 +349,10 @@ def test_ranks_disagreeing_on_adaptive_fail_with_a_clear_error():
 def test_cuda_times_with_events_and_never_syncs():
     (r,) = GROUPS.values(1, "cuda", "cuda")
     assert r["bad"] == []
-    assert r["decisions"] >= 3  # at steps 8, 12, 16 and 20
+    assert r["decisions"] >= 2
     for row in r["rows"]:
-        assert row["decision"] in ("plain", "compressed")
-        assert all(v is not None and v > 0 for v in row["measured_ms"].values()), row
+        assert row["decision"] in (P, C)
+        assert all(v > 0 for v in row["estimated_step_ms"].values()), row
 
 
 # -- no process group ------------------------------------------------------------------
@@ -352,7 +387,7 @@ def test_named_states_take_adaptive():
         ("q8,adaptive,adaptive", {}, ValueError, "option .adaptive. twice"),
         ("none,adaptive", {}, ValueError, "adaptive needs a compressing method"),
         ("q8", {"adaptive": 1}, TypeError, "adaptive must be a bool"),
-        ("q8", {"adaptive": True, "adaptive_every": 2}, ValueError, "adaptive_every must be >="),
+        ("q8", {"adaptive": True, "adaptive_every": 0}, ValueError, "adaptive_every must be >="),
         ("q8", {"adaptive_every": 10.0}, TypeError, "adaptive_every must be an int"),
     ],
 )
@@ -369,12 +404,12 @@ def test_adaptive_is_not_a_method_option():
 def test_state_dict_keeps_decisions():
     state = ddpcomm.CompressionState("q8,adaptive", adaptive_every=7)
     state.adaptive.decisions = {9: "plain", 13: "compressed"}
-    state.adaptive.next_decision = 15
+    state.adaptive.next_round = 15
     sd = state.state_dict()
     again = ddpcomm.CompressionState("q8,adaptive", adaptive_every=7)
     again.load_state_dict(sd)
     assert again.adaptive.decisions == state.adaptive.decisions
-    assert again.adaptive.next_decision == 15
+    assert again.adaptive.next_round == 15
     pickled = pickle.loads(pickle.dumps(state))
     assert pickled.adaptive.decisions == state.adaptive.decisions
     assert pickled.adaptive.every == 7

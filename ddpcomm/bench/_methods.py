@@ -60,8 +60,8 @@ def make_hook(method: str, group):
         hook = ps.powerSGD_hook if method[0] == "p" else ps.batched_powerSGD_hook
         return hook, state, 2
     state, hook = _state(method, group)
-    # Adaptive states time both paths for 2 * PROBE_STEPS calls, then decide.
-    return hook, state, 0 if state.adaptive is None else 2 * adaptive.PROBE_STEPS
+    # Adaptive states time both paths on one bucket size class, then decide.
+    return hook, state, 0 if state.adaptive is None else adaptive.first_decision()
 
 
 def check(method: str, allowed: tuple[str, ...] = ()) -> str:

@@ -29,7 +29,7 @@ the slowest rank, the bytes a rank sends (from the method's wire format) and, wi
 --link, the bytes its interface really sent, the error against the exact mean, the
 speedup over plain all_reduce and the limit of that speedup from bytes alone.
 
-A method followed by ',adaptive' (q8,adaptive) makes 8 untimed calls first, in which
+A method followed by ',adaptive' (q8,adaptive) makes 9 untimed calls first, in which
 adaptive pass-through times the plain and the compressed path and decides; its row says
 which path the decision took ('-> plain', '-> compressed') and its bytes are those sent.
 
@@ -131,7 +131,7 @@ def run(args) -> int:
             # 10x a plain all_reduce's wire time per call (100 MB/s on loopback), + slack.
             calls = case["iters"] + case["warmup"] + 3
             if ",adaptive" in case["row"]["method"]:
-                calls += 2 * adaptive.PROBE_STEPS
+                calls += adaptive.first_decision()
             return args.timeout or 60 + 10 * calls * 8 * case["row"]["numel"] / (rate or 100e6)
 
         common = {"link_check_mb": 8 if args.quick else 64}
