@@ -23,7 +23,7 @@ Schedule, in steps s counted from ``start_iter``:
   only that class on its other path. Undecided classes are sent plain. A round over C
   classes takes ``SAMPLES * (C + 1)`` steps; the first starts at step 2.
 - Decide (``SLACK`` steps after the round, so GPU events have completed): each rank
-  publishes the median span of the base and of every flipped configuration through the
+  publishes the median step time of the base and of every flipped configuration through the
   process group's store; every rank reads all of them and takes, per configuration, the
   maximum over ranks (a step ends when its slowest rank does). A class is sent plain where
   the step with it plain is at least ``MARGIN`` faster than with it compressed: a tie goes
@@ -99,8 +99,8 @@ class Adaptive:
 
     Args:
         every: steps from a decision to the next round.
-        clock: seconds, read at a call and at its completion on the CPU. A test seam:
-            injected clocks make timings deterministic.
+        clock: seconds, read at each step's first call on the CPU. A test seam: injected
+            clocks make timings deterministic.
     """
 
     __slots__ = (
@@ -138,8 +138,8 @@ class Adaptive:
         self._last_seen: set[int] = set()  # classes in the step before it
         self._used: set[tuple[int, str]] = set()  # (class, path) called at least once
         self._open: collections.deque = collections.deque()  # _Step, not yet timed
-        self._samples: dict = {}  # round tag (BASE or a class) -> spans, this round
-        self._recent: collections.deque = collections.deque(maxlen=9)  # spans off-round
+        self._samples: dict = {}  # round tag (BASE or a class) -> step times, this round
+        self._recent: collections.deque = collections.deque(maxlen=9)  # step times off-round
         self._origin = None  # CUDA: the event times are measured from
 
     # -- routing ----------------------------------------------------------------------
@@ -249,8 +249,8 @@ class Adaptive:
     # -- deciding ---------------------------------------------------------------------
 
     def _decide(self, step: int, group: dist.ProcessGroup) -> None:
-        """Every rank's median spans through the store, then the same decision on every rank."""
-        self._resolve()
+        """Every rank's median step times through the store (``_begin`` has just resolved
+        the round's steps), then the same decision on every rank."""
         _, classes = self.round
         mine = {
             str(tag): statistics.median(spans) if spans else None
@@ -277,7 +277,7 @@ class Adaptive:
             self.decisions[cls] = PLAIN if plain < compressed * (1 - MARGIN) else COMPRESSED
             changed |= self.decisions[cls] != was
         self.rounds += 1
-        self.round, self._samples = None, {}
+        self.round = None
         # Classes interact (they share the link and the CPU): a change is checked at once.
         quick = changed and len(classes) > 1 and self._quick < QUICK_ROUNDS
         self._quick = self._quick + 1 if quick else 0

@@ -164,7 +164,10 @@ def plan(rank: int, world: int, device: str):
     slow_plain = constant(2.0, 1.0)
     yield ("slow-compression",), lambda: run_steps(rank, "q8,adaptive", constant(1, 2), FIRST + 4)
     yield ("slow-plain",), lambda: run_steps(rank, "q8,adaptive", slow_plain, SECOND + 2)
-    yield ("late",), lambda: run_steps(rank, "q8,adaptive", slow_plain, LATE_STEP + 24, late=LATE_STEP)
+    yield (
+        ("late",),
+        lambda: run_steps(rank, "q8,adaptive", slow_plain, LATE_STEP + 24, late=LATE_STEP),
+    )
 
     def differing(path, numel, step):
         # Rank 0 finds compression fast for both classes; rank 1 finds it slow for the
@@ -188,9 +191,7 @@ def plan(rank: int, world: int, device: str):
 
     def real_clock_ddp():
         state = ddpcomm.CompressionState("q8,adaptive", adaptive_every=4)
-        model, _ = ddp_utils.train(
-            rank, ddp_utils.DEEP, state, ddpcomm.compress_hook, steps=40
-        )
+        model, _ = ddp_utils.train(rank, ddp_utils.DEEP, state, ddpcomm.compress_hook, steps=40)
         flat = ddp_utils.flat_params(model)
         return {
             "params_identical": ddp_utils.identical_across_ranks(flat, world),
