@@ -15,6 +15,7 @@ import textwrap
 import pytest
 
 import ddpcomm
+from ddpcomm.bench import _ranks
 
 # The ddpcomm these tests imported, whatever the subprocess's working directory.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(ddpcomm.__file__)))
@@ -146,6 +147,26 @@ def test_demo_quick_reports_a_failed_peer_in_one_line(cwd, tmp_path):
     for column in ("MB/step", "bytes vs DDP", "ms/step", "held-out loss", "max param diff vs DDP"):
         assert column in header
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_failure_reason_unwraps_a_callback_error_that_aborted():
+    # Under load a hook's callback error can end a rank as a C++ abort instead of a Python
+    # traceback; the reason is the Python exception either way.
+    log = (
+        "terminate called after throwing an instance of 'c10::Error'\n"
+        "  what():  Got the following error when running the callback: IndexError: invalid "
+        "index of a 0-dim tensor. Use `tensor.item()` in Python\n"
+        "\n"
+        "At:\n"
+        "  /x/ddp_comm_hooks/quantization_hooks.py(96): quantize_and_allgather\n"
+    )
+    reason = _ranks.failure_reason(log)
+    assert reason == (
+        "IndexError: invalid index of a 0-dim tensor [quantization_hooks.py:96 "
+        "quantize_and_allgather]"
+    )
+    other = "terminate called\n  what():  [/a/b/pair.cc:456] Connection closed by peer\n"
+    assert _ranks.failure_reason(other) == "C++ abort: [pair.cc:456] Connection closed by peer"
 
 
 def test_train_quick(cwd, tmp_path):
