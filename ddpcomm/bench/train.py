@@ -206,6 +206,11 @@ def _lr_factor(s: int, steps: int, decay: str) -> float:
     return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (s - 10) / max(1, steps - 11))))
 
 
+def eval_steps(steps: int) -> list[int]:
+    """Steps after which the held-out loss is scored: a sixth, half and all of them."""
+    return sorted({max(1, steps // 6), max(1, steps // 2), steps})
+
+
 def run_case(case: dict, common: dict, device: torch.device) -> dict:
     """Trains the model once with one method on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -243,6 +248,10 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         sched.step()
         return total
 
+    # Held-out loss on one fixed batch, the same for every method and rank, after a sixth,
+    # half and all of the steps (after 100, 300 and 600 of 600).
+    ex, ey = lang.batch(case["eval_batch"], cfg.seq, seed=999_999_937)
+    evals = {}
     log = _ranks.StepLog(method, steps)
     for i in range(steps):
         if i == warm:  # counters cover the timed steps (DDP rebuilds its buckets at step 1)
@@ -255,15 +264,14 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         ]
         loss, seconds = wall(lambda b=batches: step(b), device)
         log.add(i, loss, seconds)
+        if i + 1 in eval_steps(steps):
+            with torch.no_grad():
+                evals[i + 1] = model(ex.to(device), ey.to(device)).item()
     dist.barrier()
     tx1 = _ranks.tx_bytes(common.get("ifname"))
-    # Held-out loss on one fixed batch, the same for every method and rank.
-    ex, ey = lang.batch(case["eval_batch"], cfg.seq, seed=999_999_937)
-    with torch.no_grad():
-        eval_loss = model(ex.to(device), ey.to(device)).item()
     # Loss curve: mean over ranks per step. Step time: the slowest rank's.
     every = [None] * world
-    dist.all_gather_object(every, (log.losses, log.times, eval_loss))
+    dist.all_gather_object(every, (log.losses, log.times, evals))
     timed, measured = [max(g[1][i] for g in every) for i in range(steps)], steps - warm
     result = dict(
         case["row"],
@@ -272,7 +280,8 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         step_times_s=timed,
         median_step_s=statistics.median(timed[warm:]),
         params=num_params(model),
-        eval_loss=statistics.fmean(g[2] for g in every),
+        eval_loss=statistics.fmean(g[2][steps] for g in every),
+        eval_losses=[[s, statistics.fmean(g[2][s] for g in every)] for s in sorted(evals)],
         bytes_per_step=(counter[0] - sent0) / measured,
     )
     if tx1 is not None:
@@ -342,6 +351,7 @@ def report(result: dict, markdown: bool = False) -> str:
             ]
         )
     lines += ["", table(headers, body, markdown), ""]
+    lines += _eval_table(rows, base, markdown)
     lines += [f"{r['method']}: {_legend(r['method'])}{_decided(r)}" for r in rows]
     lines += [
         "MB/step: ddpcomm's own count (state.stats()); DDP and torch's hooks by their wire "
@@ -354,6 +364,25 @@ def report(result: dict, markdown: bool = False) -> str:
         )
     lines += [f"warning: {w}" for w in env.get("warnings", [])]
     return "\n".join(lines)
+
+
+def _eval_table(rows: list[dict], base: dict | None, markdown: bool) -> list[str]:
+    """Held-out loss after a sixth, half and all of the steps, and the final gap to DDP's
+    default (results written before these points were scored have none)."""
+    ok = [r for r in rows if r["status"] == "ok" and len(r.get("eval_losses", ())) > 1]
+    if not ok:
+        return []
+    points = [s for s, _ in ok[0]["eval_losses"]]
+    headers = ["method", *[f"held-out @{s}" for s in points], "gap to DDP"]
+    body = [
+        [
+            r["method"],
+            *[f"{v:.4f}" for _, v in r["eval_losses"]],
+            f"{r['eval_loss'] / base['eval_loss'] - 1:+.2%}" if base else "-",
+        ]
+        for r in ok
+    ]
+    return [table(headers, body, markdown), ""]
 
 
 def _decided(row: dict) -> str:
