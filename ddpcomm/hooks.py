@@ -28,6 +28,7 @@ from ddpcomm.compressors import (
     TopK,
     check_float_tensor,
     check_int,
+    default_schedule,
     parse,
     ramp_stages,
     take_state_options,
@@ -46,13 +47,17 @@ class CompressionState:
         start_iter: iterations (backward passes) before this one use a plain all_reduce:
             the full-precision warm-up. Lets DDP settle its bucket layout and the model
             (and Adam's moments) leave its first, large-gradient steps before compression
-            starts.
+            starts. None means the method's default (``compressors.default_schedule``:
+            40 for q2, q1 and top-k below 25% density, 100 for random-k below 25%, 0 for
+            the rest).
         min_numel: buckets with fewer elements go uncompressed (latency-bound anyway).
         process_group: the group to reduce over; None means the default group.
         ramp: iterations after ``start_iter`` that step through milder versions of the
             method before it (``compressors.ramp_stages``: q1 runs q8, q4, q2; topk:0.01
             runs 25%, 6.25%, 1.5625% density), the ``ramp`` iterations split evenly
-            between them in order. The residuals carry across stages.
+            between them in order. The residuals carry across stages. None means the
+            method's default (80 after a 40-iteration warm-up, 200 after random-k's 100,
+            else 0). Give ``start_iter=0, ramp=0`` to compress from the first iteration.
         adaptive: time the plain and the compressed path per bucket size class and send
             plain where compression does not pay (``ddpcomm.adaptive``). Off by default:
             with it, which buckets are compressed depends on measured speed, so two runs
@@ -94,10 +99,10 @@ class CompressionState:
     def __init__(
         self,
         compression: str | Compressor = "q8",
-        start_iter: int = 0,
+        start_iter: int | None = None,
         min_numel: int = 0,
         process_group: dist.ProcessGroup | None = None,
-        ramp: int = 0,
+        ramp: int | None = None,
         adaptive: bool = False,
         adaptive_every: int = DEFAULT_EVERY,
         **options,
@@ -113,9 +118,10 @@ class CompressionState:
                 "adaptive": adaptive,
                 "adaptive_every": adaptive_every,
             }
-            default = {"adaptive": False, "adaptive_every": DEFAULT_EVERY}
+            default = {"start_iter": None, "ramp": None, "min_numel": 0, "adaptive": False}
+            default["adaptive_every"] = DEFAULT_EVERY
             for name, value in spec_state.items():
-                if given[name] not in (default.get(name, 0), value):
+                if given[name] not in (default[name], value):
                     raise ValueError(
                         f"{name} given both in the spec and as a keyword "
                         f"({value!r}, {given[name]!r})"
@@ -125,9 +131,10 @@ class CompressionState:
             adaptive, adaptive_every = given["adaptive"], given["adaptive_every"]
         self.compressor = parse(compression, **options)
         self.adaptive = _make_adaptive(self.compressor, adaptive, adaptive_every)
-        self.start_iter = check_int(start_iter, "start_iter", 0)
+        default_start, default_ramp = default_schedule(self.compressor)
+        self.start_iter = check_int(_or(start_iter, default_start), "start_iter", 0)
         self.min_numel = check_int(min_numel, "min_numel", 0)
-        self.ramp = check_int(ramp, "ramp", 0)
+        self.ramp = check_int(_or(ramp, default_ramp), "ramp", 0)
         self._stages = ramp_stages(self.compressor) if self.ramp else []
         self.process_group = process_group
         self.iteration = 0
@@ -280,6 +287,10 @@ class CompressionState:
         )
 
 
+def _or(value, default):
+    return default if value is None else value
+
+
 def _make_adaptive(compressor: Compressor, adaptive, every) -> Adaptive | None:
     """The state's ``Adaptive`` router, or None."""
     if not isinstance(adaptive, bool):
@@ -305,10 +316,10 @@ class _MethodState(CompressionState):
     def __init__(
         self,
         *args,
-        start_iter: int = 0,
+        start_iter: int | None = None,
         min_numel: int = 0,
         process_group: dist.ProcessGroup | None = None,
-        ramp: int = 0,
+        ramp: int | None = None,
         adaptive: bool = False,
         adaptive_every: int = DEFAULT_EVERY,
         **options,

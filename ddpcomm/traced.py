@@ -39,6 +39,7 @@ from ddpcomm.compressors import (
     NoCompression,
     Quantizer,
     TopK,
+    default_schedule,
 )
 
 # torch 2.13 renamed all_gather_tensor to all_gather_single (the old name warns).
@@ -77,15 +78,26 @@ def hook(state, pair: tuple, name: str) -> torch.Tensor:
 
 def unsupported(state) -> str | None:
     """Why ``state`` cannot run per parameter under compiled autograd, or None."""
-    counted = {"start_iter": state.start_iter, "ramp": state.ramp}
-    counted["adaptive"] = state.adaptive is not None
-    for name, value in counted.items():
-        if value:
-            return (
-                f"{name}={value} needs a step counter, which would recompile the backward "
-                f"graph every step; use {name}={0 if name != 'adaptive' else False}"
-            )
-    compressor = state.compressor
+    why = _unsupported_method(state.compressor)
+    if why is not None:
+        return why
+    if state.start_iter or state.ramp:
+        given = f"start_iter={state.start_iter}, ramp={state.ramp}"
+        if default_schedule(state.compressor) == (state.start_iter, state.ramp):
+            given += " (the method's default schedule)"
+        return (
+            f"{given} need a step counter, which would recompile the backward graph every "
+            "step; give start_iter=0, ramp=0"
+        )
+    if state.adaptive is not None:
+        return (
+            "adaptive=True needs a step counter, which would recompile the backward graph "
+            "every step; use adaptive=False"
+        )
+    return None
+
+
+def _unsupported_method(compressor: Compressor) -> str | None:
     if isinstance(compressor, Quantizer):
         if compressor.stochastic:
             return "stochastic rounding draws from a per-step stream; use stochastic=False"

@@ -12,6 +12,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+# q2, q1 and sparse states start with a full-precision warm-up and a ramp by default
+# (compressors.default_schedule); tests of the compressed path start it at once.
+FROM_START = {"start_iter": 0, "ramp": 0}
+
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import ddpcomm
-from tests.ddp_utils import SHALLOW, flat_params, make_model
+from tests.ddp_utils import FROM_START, SHALLOW, flat_params, make_model
 from tests.ddp_utils import train as _train
 from tests.dist_utils import run_ranks
 
@@ -47,7 +47,7 @@ def _resume_from_rank0_file(rank, make, hook, path):
 def _body(rank, world, tmp):
     q4 = lambda: ddpcomm.QuantizeState(4, error_feedback=True)  # noqa: E731
     state = _resume_from_rank0_file(rank, q4, ddpcomm.quantize_hook, os.path.join(tmp, "q.pt"))
-    topk = lambda: ddpcomm.TopKState(0.05)  # noqa: E731
+    topk = lambda: ddpcomm.TopKState(0.05, **FROM_START)  # noqa: E731
     _resume_from_rank0_file(rank, topk, ddpcomm.topk_hook, os.path.join(tmp, "t.pt"))
 
     errors = {}

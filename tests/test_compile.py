@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 import ddpcomm
-from tests.ddp_utils import SHALLOW, flat_params, identical_across_ranks, train
+from tests.ddp_utils import FROM_START, SHALLOW, flat_params, identical_across_ranks, train
 from tests.spawn_plan import Groups
 
 WORLD = 2
@@ -48,7 +48,7 @@ CASES = {
         ddpcomm.compress_hook,
         0.1,
     ),
-    "topk": (lambda: ddpcomm.TopKState(0.1), ddpcomm.topk_hook, 0.6),
+    "topk": (lambda: ddpcomm.TopKState(0.1, **FROM_START), ddpcomm.topk_hook, 0.6),
     # What 3 or more ranks run by default: all_to_all, owner re-quantization, all_gather.
     # Quantized twice (sender and owner), both with error feedback: measured 4.4%.
     "q4-ef-two-phase": (

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from tests.ddp_utils import FROM_START
 from tests.dist_utils import EXITED, run_ranks
 
 GROUP_TIMEOUT = 5.0
@@ -42,8 +43,8 @@ def _grad_scaler(rank, world):
     for name, state in [
         ("q4_two_phase_ef", ddpcomm.QuantizeState(4, error_feedback=True)),
         ("q4_all_gather_ef", ddpcomm.QuantizeState(4, error_feedback=True, algorithm="all_gather")),
-        ("topk", ddpcomm.TopKState(0.1)),
-        ("randk", ddpcomm.RandomKState(0.1)),
+        ("topk", ddpcomm.TopKState(0.1, **FROM_START)),
+        ("randk", ddpcomm.RandomKState(0.1, **FROM_START)),
     ]:
         model = _model()
         ddp = DDP(model, bucket_cap_mb=0.004)

@@ -238,7 +238,7 @@ def test_ramp_steps_through_milder_stages_in_order():
     assert specs == ["q8", "q8", "q8", "q4", "q4", "q2", "q2", "q1", "q1"]
     assert all(state.compressor_at(i).error_feedback for i in range(10, 19))
     assert state.compressor_at(12).block_size == state.compressor.block_size
-    topk = ddpcomm.TopKState(0.001, ramp=100, value_dtype=torch.float16)
+    topk = ddpcomm.TopKState(0.001, start_iter=0, ramp=100, value_dtype=torch.float16)
     ratios = [c.ratio for c in compressors.ramp_stages(topk.compressor)]
     assert ratios == [0.25**i for i in range(1, 5)]  # 25% ... 0.390625%, then 0.1%
     assert topk.compressor_at(99).ratio == 0.25**4 and topk.compressor_at(100).ratio == 0.001
@@ -247,6 +247,46 @@ def test_ramp_steps_through_milder_stages_in_order():
     for spec in ("q8", "topk:0.3"):
         state = ddpcomm.CompressionState(spec, ramp=50)
         assert state.compressor_at(0) is state.compressor
+
+
+@pytest.mark.parametrize(
+    "spec, schedule",
+    [
+        ("q8", (0, 0)),
+        ("q4,error_feedback", (0, 0)),
+        ("q2", compressors.LOW_BIT_SCHEDULE),
+        ("q1", compressors.LOW_BIT_SCHEDULE),
+        ("topk:0.01", compressors.LOW_BIT_SCHEDULE),
+        ("randk:0.01", compressors.RANDOM_K_SCHEDULE),
+        ("topk:0.25", (0, 0)),
+        ("fp16", (0, 0)),
+        ("none", (0, 0)),
+    ],
+)
+def test_default_schedule_by_method(spec, schedule):
+    state = ddpcomm.CompressionState(spec)
+    assert (state.start_iter, state.ramp) == schedule
+    # Given explicitly (keyword or spec), a schedule replaces the default, half or whole.
+    assert ddpcomm.CompressionState(spec, start_iter=0, ramp=0).ramp == 0
+    assert ddpcomm.CompressionState(f"{spec},start_iter=0,ramp=0").start_iter == 0
+    assert ddpcomm.CompressionState(spec, start_iter=5).ramp == schedule[1]
+    if schedule != (0, 0):  # a milder stage first, the method itself after the ramp
+        assert state.compressor_at(schedule[0]).spec != state.compressor.spec
+        assert state.compressor_at(sum(schedule)) is state.compressor
+
+
+def test_named_states_take_the_default_schedule():
+    for state in (ddpcomm.QuantizeState(bits=1), ddpcomm.TopKState()):
+        assert (state.start_iter, state.ramp) == compressors.LOW_BIT_SCHEDULE
+    state = ddpcomm.RandomKState()
+    assert (state.start_iter, state.ramp) == compressors.RANDOM_K_SCHEDULE
+    assert ddpcomm.QuantizeState(bits=4).start_iter == 0
+
+
+def test_spec_and_keyword_schedule_must_agree():
+    with pytest.raises(ValueError, match="start_iter given both"):
+        ddpcomm.CompressionState("q1,start_iter=20", start_iter=0)
+    assert ddpcomm.CompressionState("q1,start_iter=20", start_iter=20).start_iter == 20
 
 
 def test_ramp_round_trips_through_state_dict():

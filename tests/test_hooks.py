@@ -28,6 +28,7 @@ import ddpcomm
 from tests.cuda_utils import needs_cuda
 from tests.ddp_utils import (
     DEEP,
+    FROM_START,
     SHALLOW,
     Recipe,
     fixed_teacher,
@@ -65,7 +66,7 @@ PARITY = {
         0.05,
     ),
     "q8-spec-state-none": Case(SHALLOW, None, ddpcomm.compress_hook, 0.01),
-    "topk": Case(DEEP, lambda: ddpcomm.TopKState(0.1), ddpcomm.topk_hook, 0.9),
+    "topk": Case(DEEP, lambda: ddpcomm.TopKState(0.1, **FROM_START), ddpcomm.topk_hook, 0.9),
     "randk": Case(DEEP, lambda: ddpcomm.RandomKState(0.3, seed=1), ddpcomm.randomk_hook, 0.9),
 }
 # One state, one hook: a spec string runs exactly what the named state runs.
@@ -135,8 +136,8 @@ SMALL_BUCKETS = {
     "q4-two_phase-ef": lambda: ddpcomm.QuantizeState(
         bits=4, algorithm="two_phase", error_feedback=True
     ),
-    "topk": lambda: ddpcomm.TopKState(0.05),
-    "randk": lambda: ddpcomm.RandomKState(0.05),
+    "topk": lambda: ddpcomm.TopKState(0.05, **FROM_START),
+    "randk": lambda: ddpcomm.RandomKState(0.05, **FROM_START),
 }
 
 
@@ -160,8 +161,8 @@ def check_many_small_buckets(rank, world, make_state):
 
 OPTIONS = {
     "q8": lambda: ddpcomm.QuantizeState(bits=8, start_iter=3, min_numel=1000),
-    "topk": lambda: ddpcomm.TopKState(0.01, start_iter=3, min_numel=1000),
-    "randk": lambda: ddpcomm.RandomKState(0.01, start_iter=3, min_numel=1000),
+    "topk": lambda: ddpcomm.TopKState(0.01, start_iter=3, min_numel=1000, ramp=0),
+    "randk": lambda: ddpcomm.RandomKState(0.01, start_iter=3, min_numel=1000, ramp=0),
 }
 
 
@@ -178,7 +179,7 @@ RAMPS = {
     "q1": "q1,start_iter=2,ramp=6",
     "q4-ef": "q4,error_feedback,start_iter=1,ramp=3",
     "topk": "topk:0.01,start_iter=2,ramp=6",
-    "randk": "randk:0.01,ramp=6,seed=3",
+    "randk": "randk:0.01,start_iter=0,ramp=6,seed=3",
 }
 
 
@@ -245,17 +246,19 @@ def check_state_none(rank, world, hook, cls):
 RESUME = {
     "q2-stochastic": Case(
         SHALLOW,
-        lambda: ddpcomm.QuantizeState(bits=2, stochastic=True, seed=5),
+        lambda: ddpcomm.QuantizeState(bits=2, stochastic=True, seed=5, **FROM_START),
         ddpcomm.quantize_hook,
         0,
     ),
     "topk-approximate-bf16": Case(
         DEEP,
-        lambda: ddpcomm.TopKState(0.05, approximate=True, value_dtype=torch.bfloat16),
+        lambda: ddpcomm.TopKState(0.05, approximate=True, value_dtype=torch.bfloat16, **FROM_START),
         ddpcomm.topk_hook,
         0,
     ),
-    "randk": Case(DEEP, lambda: ddpcomm.RandomKState(0.1, seed=3), ddpcomm.randomk_hook, 0),
+    "randk": Case(
+        DEEP, lambda: ddpcomm.RandomKState(0.1, seed=3, **FROM_START), ddpcomm.randomk_hook, 0
+    ),
 }
 
 
@@ -290,8 +293,8 @@ def check_resume(rank, world, case: Case):
 NON_FINITE = {
     "q8": lambda: ddpcomm.QuantizeState(bits=8),
     "q4-ef": lambda: ddpcomm.QuantizeState(bits=4, error_feedback=True),
-    "topk": lambda: ddpcomm.TopKState(0.01),
-    "randk": lambda: ddpcomm.RandomKState(0.01),
+    "topk": lambda: ddpcomm.TopKState(0.01, **FROM_START),
+    "randk": lambda: ddpcomm.RandomKState(0.01, **FROM_START),
 }
 
 

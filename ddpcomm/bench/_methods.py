@@ -11,7 +11,7 @@ import argparse
 import math
 
 import ddpcomm
-from ddpcomm import adaptive
+from ddpcomm import adaptive, compressors
 
 # torch's hooks, as PyTorch users run them today.
 TORCH = {
@@ -28,19 +28,35 @@ ADAPTIVE = [f"{m},adaptive" for m in DDPCOMM]
 
 
 def describe(method: str) -> str:
-    return TORCH.get(method, f"ddpcomm compress_hook, {method!r}")
+    """A method's legend line in the training tables, with the schedule its state runs."""
+    if method in TORCH:
+        return TORCH[method]
+    state = _state(method)[0]
+    schedule = ""
+    if state.start_iter or state.ramp:
+        schedule = f" (plain for {state.start_iter} iterations, then a {state.ramp}-iteration ramp)"
+    return f"ddpcomm compress_hook, {method!r}{schedule}"
 
 
-def _state(spec: str, group=None):
-    """(state, hook) of a ddpcomm spec string: the one place the benchmarks build them."""
+def _state(spec: str, group=None, schedule: bool = True):
+    """(state, hook) of a ddpcomm spec string: the one place the benchmarks build them.
+    ``schedule=False`` drops the method's default warm-up and ramp (a schedule the spec
+    writes out stays): the collectives benchmark times the method itself from its first
+    call."""
     try:
-        return ddpcomm.CompressionState(spec, process_group=group), ddpcomm.compress_hook
+        options = {}
+        if not schedule:
+            given = compressors.take_state_options(spec)[1]
+            options = {k: 0 for k in ("start_iter", "ramp") if k not in given}
+        state = ddpcomm.CompressionState(spec, process_group=group, **options)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"method {spec!r}: {exc}") from None
+    return state, ddpcomm.compress_hook
 
 
-def make_hook(method: str, group):
-    """(hook, state, calls before the hook compresses) for a method name or spec."""
+def make_hook(method: str, group, schedule: bool = True):
+    """(hook, state, calls before the hook compresses) for a method name or spec; see
+    ``_state`` for ``schedule``."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
     from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks as qh
@@ -59,9 +75,10 @@ def make_hook(method: str, group):
         state = ps.PowerSGDState(group, matrix_approximation_rank=rank, start_powerSGD_iter=2)
         hook = ps.powerSGD_hook if method[0] == "p" else ps.batched_powerSGD_hook
         return hook, state, 2
-    state, hook = _state(method, group)
+    state, hook = _state(method, group, schedule)
     # Adaptive states time both paths on one bucket size class, then decide.
-    return hook, state, 0 if state.adaptive is None else adaptive.first_decision()
+    first = 0 if state.adaptive is None else adaptive.first_decision()
+    return hook, state, state.start_iter + state.ramp + first
 
 
 def check(method: str, allowed: tuple[str, ...] = ()) -> str:

@@ -243,7 +243,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
     """One method at one size on every rank: warm-up calls, then timed calls."""
     rank, world = dist.get_rank(), dist.get_world_size()
     shapes, seed, result = [tuple(s) for s in case["shapes"]], 1234, dict(case["row"])
-    hook, state, activation = _methods.make_hook(result["method"], dist.group.WORLD)
+    hook, state, activation = _methods.make_hook(result["method"], dist.group.WORLD, False)
     grad = make_grad(shapes, rank, seed, device)
     bucket = _Bucket(grad.clone(), shapes)
     stats = getattr(state, "stats", None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from ddpcomm.bench import netns, train
+from ddpcomm.compressors import LOW_BIT_SCHEDULE
 
 DESCRIPTION = """\
 Trains the same small GPT from the same start on 2 gloo ranks on this CPU with DDP's
@@ -37,7 +38,7 @@ def add_parser(sub) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--steps", type=int, default=100, help="training steps per method (default 100)")
+    p.add_argument("--steps", type=int, default=160, help="training steps per method (default 160)")
     p.add_argument(
         "--out", metavar="PATH", help="write the results (with loss curves) as JSON to PATH"
     )
@@ -48,13 +49,20 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _timed_from(steps: int) -> int:
+    """The first step counted in step times and bytes: the end of top-k's default schedule
+    (40 plain, then 80 ramp iterations), or step 5 of a run too short to time after it."""
+    schedule = sum(LOW_BIT_SCHEDULE)
+    return schedule if steps >= schedule + 20 else min(5, steps - 1)
+
+
 def _preset(args, methods: list[str], steps: int, link: str | None, suffix: str):
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
     preset = parser.parse_args([])  # train's defaults, then the demo's model and methods
     vars(preset).update(LINK_MODEL if link else MODEL, methods=methods, steps=steps, link=link)
     vars(preset).update(
-        warmup_steps=min(5, steps - 1),
+        warmup_steps=_timed_from(steps),
         out=args.out and args.out.replace(".json", suffix + ".json"),
         plot=args.plot and args.plot.replace(".png", suffix + ".png"),
     )
