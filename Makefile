@@ -114,3 +114,11 @@ bench-adaptive: all
 	$(PY) -m ddpcomm.bench collectives --link 1gbit --world 2,4 --sizes 1,16,64 --methods $(ADAPTIVE_METHODS) --iters 7 --out benchmarks/collectives_adaptive_1gbit.json > benchmarks/collectives_adaptive_1gbit.txt
 	$(PY) -m ddpcomm.bench train --warmup-steps 40 --methods ddp,q8,q8,adaptive --out benchmarks/train_adaptive_loopback.json > benchmarks/train_adaptive_loopback.txt
 	$(PY) -m ddpcomm.bench train --link 1gbit --warmup-steps 40 --methods ddp,q8,q8,adaptive --out benchmarks/train_adaptive_1gbit.json > benchmarks/train_adaptive_1gbit.txt
+
+# Low-bit fidelity: each method at its defaults and without its default schedule, on the
+# 600-step AdamW + gradient-accumulation GPT (loopback: losses do not depend on the link).
+FIDELITY_METHODS = ddp,q8,q4,q4,error_feedback,q2,q1,topk:0.01,randk:0.01,q2,start_iter=0,ramp=0,q1,start_iter=0,ramp=0,topk:0.01,start_iter=0,ramp=0,randk:0.01,start_iter=0,ramp=0
+FIDELITY_MODEL = --steps 600 --d-model 128 --heads 4 --vocab 1024 --batch 2 --accum 4 --lr-decay cosine --lr 2e-3 --timeout 900
+.PHONY: bench-fidelity
+bench-fidelity: all
+	$(PY) -m ddpcomm.bench train --methods $(FIDELITY_METHODS) $(FIDELITY_MODEL) --out benchmarks/train_fidelity_2ranks.json --plot benchmarks/train_fidelity_2ranks.png > benchmarks/train_fidelity_2ranks.txt
