@@ -15,6 +15,7 @@ a device value on the host: whether a step was finite stays a device flag.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -231,10 +232,10 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
         return _empty(flat, ctx)
     bits, block, rec = q.bits, q.block_size, q.record_bytes
     chunk = q.chunk_numel(n, world)  # elements per rank, whole blocks
-    splits = q.two_phase_splits(n, world)  # phase-1 bytes to each rank: short at the end
-    mine = splits[rank]
+    per_chunk = chunk // block  # records per chunk; the trailing chunks may hold fewer
+    records = math.ceil(n / block)
+    held = [max(0, min(records, (d + 1) * per_chunk) - d * per_chunk) for d in range(world)]
     my_numel = max(0, min(n, (rank + 1) * chunk) - rank * chunk)
-    chunk_bytes = (chunk // block) * rec
 
     seq = sequencer(pg)
     seed = _stream_seed(q.seed, ctx.key)
@@ -242,73 +243,123 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
     stride = 2 * world * chunk
     residual = ctx.residual("q", n, flat.device) if q.error_feedback else None
     owner_residual = ctx.residual("q_owner", my_numel, flat.device) if q.error_feedback else None
-    packed = ctx.buffer("send", sum(splits), flat.device)
-    with ctx.stats.timer():
-        ops.quantize(
-            flat, residual, bits, block, q.stochastic, seed, ctx.step, rank * stride, out=packed
-        )
-    received = ctx.buffer("receive", world * mine, flat.device)
     ctx.stats.record(
         "q_two_phase", q.wire_bytes(n, world, rank), dense_bytes(n, world, flat.element_size())
     )
-    work = dist.all_to_all_single(received, packed, [mine] * world, splits, group=pg, async_op=True)
-    ticket = seq.ticket()
-    result = device_future(flat.device)
-    gathered = ctx.buffer("gather", world * chunk_bytes, flat.device)
-    send = ctx.buffer("send2", chunk_bytes, flat.device)
+    packed = ctx.buffer("send", records * rec, flat.device)
+    received = ctx.buffer("receive", world * held[rank] * rec, flat.device)
+    gathered = ctx.buffer("gather", world * per_chunk * rec, flat.device)
+    send = ctx.buffer("send2", per_chunk * rec, flat.device)
 
-    def finish(fut):
+    def elements(d: int, c0: int, c1: int) -> tuple[int, int]:
+        """The tensor's elements in records [c0, c1) of rank d's chunk."""
+        lo, hi = min(c0, held[d]), min(c1, held[d])
+        return d * chunk + lo * block, min(n, d * chunk + hi * block)
+
+    def phase_one(c0: int, c1: int, out: torch.Tensor, splits: list[int]) -> None:
+        with ctx.stats.timer():
+            at = 0
+            for d in range(world):
+                e0, e1 = elements(d, c0, c1)
+                if e1 > e0:
+                    ops.quantize(
+                        flat[e0:e1],
+                        None if residual is None else residual[e0:e1],
+                        bits,
+                        block,
+                        q.stochastic,
+                        seed,
+                        ctx.step,
+                        rank * stride + e0,
+                        out=out[at : at + splits[d]],
+                    )
+                at += splits[d]
+
+    def owner_step(c0, c1, inbox, ticket, result, fut):
+        error = None
+        e0, e1 = (e - rank * chunk for e in elements(rank, c0, c1))
+        reply = send[c0 * rec : c1 * rec]
+        try:
+            fut.wait()
+            if e1 > e0:
+                with ctx.stats.timer():
+                    reduced = ops.dequantize_sum_requantize(
+                        inbox,
+                        None if owner_residual is None else owner_residual[e0:e1],
+                        e1 - e0,
+                        bits,
+                        block,
+                        world,
+                        q.stochastic,
+                        seed,
+                        ctx.step,
+                        rank * stride + world * chunk + rank * chunk + e0,
+                    )
+                reply[: reduced.numel()] = reduced
+            reply[max(0, min(c1, held[rank]) - c0) * rec :] = 0  # short chunks: never read
+        except Exception as exc:  # noqa: BLE001
+            # Still take part in phase 2 so no peer hangs; all-ones bytes make NaN
+            # magnitudes, so every rank's result is non-finite, and this rank raises.
+            reply.fill_(0xFF)
+            error = exc
+        # Phase 2 may be issued from a later bucket's callback (ticket order), on another
+        # thread: it must wait for this callback's stream, which wrote `reply`.
+        stream = torch.cuda.current_stream(flat.device) if flat.is_cuda else None
+        rows = gathered[world * c0 * rec : world * c1 * rec]
+
+        def issue():
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                w2 = all_gather_single(rows, reply, group=seq.companion, async_op=True)
+            if error is not None:
+                w2.get_future().then(lambda _: result.set_exception(error))
+            else:
+                w2.get_future().then(lambda f: decode(c0, c1, rows, result, f))
+
+        seq.submit(ticket, issue)
+
+    def decode(c0, c1, rows, result, fut):
         try:
             fut.wait()
             with ctx.stats.timer():
-                # Whole chunks were gathered; the tensor's records are the first ones.
-                ops.dequantize(gathered[: q.payload_bytes(n)], n, bits, block, flat.dtype, out=flat)
-                if q.error_feedback:
-                    ctx.reset_unless(_magnitudes_finite(gathered, rec))
+                if (c0, c1) == (0, per_chunk):  # one piece: whole chunks, in tensor order
+                    ops.dequantize(gathered[: records * rec], n, bits, block, flat.dtype, out=flat)
+                else:
+                    rows = rows.view(world, (c1 - c0) * rec)
+                    for d in range(world):
+                        e0, e1 = elements(d, c0, c1)
+                        if e1 > e0:
+                            payload = rows[d, : math.ceil((e1 - e0) / block) * rec]
+                            ops.dequantize(
+                                payload, e1 - e0, bits, block, flat.dtype, out=flat[e0:e1]
+                            )
             result.set_result(flat)
         except Exception as exc:  # noqa: BLE001 - handed to the waiter, not swallowed
             result.set_exception(exc)
 
-    def owner_step(fut):
-        error = None
-        try:
-            fut.wait()
-            with ctx.stats.timer():
-                reduced = ops.dequantize_sum_requantize(
-                    received.view(world, mine),
-                    owner_residual,
-                    my_numel,
-                    bits,
-                    block,
-                    world,
-                    q.stochastic,
-                    seed,
-                    ctx.step,
-                    rank * stride + world * chunk + rank * chunk,
-                )
-            send[: reduced.numel()] = reduced
-            send[reduced.numel() :] = 0  # short trailing chunks: zero records, never read
-        except Exception as exc:  # noqa: BLE001
-            # Still take part in phase 2 so no peer hangs; all-ones bytes make NaN
-            # magnitudes, so every rank's result is non-finite, and this rank raises.
-            send.fill_(0xFF)
-            error = exc
-        # Phase 2 may be issued from a later bucket's callback (ticket order), on another
-        # thread: it must wait for this callback's stream, which wrote `send`.
-        stream = torch.cuda.current_stream(flat.device) if flat.is_cuda else None
-
-        def issue():
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                w2 = all_gather_single(gathered, send, group=seq.companion, async_op=True)
-            if error is not None:
-                w2.get_future().then(lambda _: result.set_exception(error))
-            else:
-                w2.get_future().then(finish)
-
-        seq.submit(ticket, issue)
-
-    work.get_future().then(owner_step)
-    return result
+    # On gloo the chunks go in pieces, as the all-gather algorithm's payload does: piece
+    # [c0, c1) is records c0..c1 of every chunk. Each piece is quantized just before its
+    # all_to_all, reduced by its owner as it lands, all-gathered in ticket order and
+    # decoded as that lands. Blocks and RNG counters are per element: the bits are those
+    # of one piece.
+    results, at = [], 0
+    for c0, c1 in _pieces(per_chunk, world * rec, n * flat.element_size(), pg):
+        splits = [max(0, min(c1, h) - c0) * rec for h in held]
+        out = packed[at : at + sum(splits)]
+        at += sum(splits)
+        phase_one(c0, c1, out, splits)
+        mine = splits[rank]
+        inbox = received[world * c0 * rec : world * c0 * rec + world * mine]
+        work = dist.all_to_all_single(inbox, out, [mine] * world, splits, group=pg, async_op=True)
+        ticket = seq.ticket()
+        result = device_future(flat.device)
+        inbox = inbox.view(world, mine)
+        work.get_future().then(functools.partial(owner_step, c0, c1, inbox, ticket, result))
+        results.append(result)
+    done = join(results, flat, flat.device)
+    if not q.error_feedback:
+        return done
+    # Every rank decodes every record, so all agree on whether the step was finite.
+    return done.then(lambda f: _reset_unless(ctx, _magnitudes_finite(gathered, rec), f))
 
 
 def _stream_seed(seed: int, key) -> int:

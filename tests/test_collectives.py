@@ -60,9 +60,11 @@ METHODS = {
 }
 QUANTIZERS = [m for m in METHODS if m.startswith("q")]
 SPARSE = ["topk", "randk"]
-# Methods whose payload goes out in pieces on gloo: the quantizers' all-gather algorithm,
-# top-k and random-k (at two ranks). With error feedback: the residual path is the one run.
+# Methods whose payload goes out in pieces on gloo: the quantizers' both algorithms, top-k
+# and random-k (at two ranks). With error feedback: the residual path is the one run.
 PIECES = {
+    "q8-two_phase": quantizer(8, "two_phase", error_feedback=True),
+    "q2-two_phase-stochastic": quantizer(2, "two_phase", stochastic=True, error_feedback=True),
     "q8-stochastic": quantizer(8, "all_gather", stochastic=True, error_feedback=True),
     "q8": quantizer(8, "all_gather", error_feedback=True),
     "q2": quantizer(2, "all_gather", error_feedback=True),
@@ -200,9 +202,35 @@ def pieces_reference(r: Rank, c, x: torch.Tensor, key: int) -> torch.Tensor:
         dist.all_reduce(values)
         return ref.randk_decompress(values, n, c.seed, 0, key, r.world, torch.float32)
     seed = collectives._stream_seed(c.seed, key)
+    if c.resolve_algorithm(r.world) == "two_phase":
+        return two_phase_reference(r, c, x, seed)
     payload = ref.quantize(x, zeros, c.bits, c.block_size, c.stochastic, seed, 0, r.rank * n)
     rows = gather_rows(payload, r.world)
     return ref.dequantize_sum(rows, n, c.bits, c.block_size, r.world, torch.float32)
+
+
+def two_phase_reference(r: Rank, c, x: torch.Tensor, seed: int) -> torch.Tensor:
+    """The two-phase algorithm on reference.py's ops from zero residuals, with the RNG
+    counter ranges of collectives.py: every rank quantizes the whole tensor, each chunk's
+    owner sums its chunk of every payload and re-quantizes, every rank decodes them all."""
+    n, world, bits, block, rec = x.numel(), r.world, c.bits, c.block_size, c.record_bytes
+    chunk = c.chunk_numel(n, world)
+    stride = 2 * world * chunk
+    payload = ref.quantize(x, torch.zeros(n), bits, block, c.stochastic, seed, 0, r.rank * stride)
+    rows, reduced = gather_rows(payload, world), []
+    for d in range(world):
+        e0, e1 = min(n, d * chunk), min(n, (d + 1) * chunk)
+        if e1 > e0:
+            b0 = d * chunk // block * rec
+            part = rows[:, b0 : b0 + -(-(e1 - e0) // block) * rec]
+            offset = d * stride + world * chunk + d * chunk
+            reduced.append(
+                ref.dequantize_sum_requantize(
+                    part, torch.zeros(e1 - e0), e1 - e0, bits, block, world, c.stochastic,
+                    seed, 0, offset,
+                )
+            )  # fmt: skip
+    return ref.dequantize(torch.cat(reduced), n, bits, block, torch.float32)
 
 
 def payload_bytes(c, n: int) -> int:
