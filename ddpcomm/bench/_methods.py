@@ -34,7 +34,7 @@ def describe(method: str) -> str:
     state = _state(method)[0]
     schedule = ""
     if state.start_iter or state.ramp:
-        schedule = f" (plain for {state.start_iter} iterations, then a {state.ramp}-iteration ramp)"
+        schedule = f" (plain for {state.start_iter} iterations, then {state.ramp} ramp iterations)"
     return f"ddpcomm compress_hook, {method!r}{schedule}"
 
 
