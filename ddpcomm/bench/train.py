@@ -425,8 +425,9 @@ def plot(result: dict, path: str) -> None:
         steps = range(1, len(r["loss"]) + 1)
         # One step's loss on a small batch is noisy: faint raw curve, bold 10-step average.
         avg = [statistics.fmean(r["loss"][max(0, j - 9) : j + 1]) for j in range(len(r["loss"]))]
-        ax_loss.plot(steps, r["loss"], color=f"C{i % 10}", lw=0.6, alpha=0.3)
-        ax_loss.plot(steps, avg, color=f"C{i % 10}", lw=1.5, label=r["method"])
+        style = dict(color=f"C{i % 10}", ls=("-", "--", ":")[i // 10 % 3])  # 10 colours
+        ax_loss.plot(steps, r["loss"], lw=0.6, alpha=0.3, **style)
+        ax_loss.plot(steps, avg, lw=1.5, label=r["method"], **style)
     ax_loss.set(xlabel="step", ylabel="training loss (bold: 10-step average)", title="loss vs step")
     ax_loss.grid(alpha=0.3)
     ax_loss.legend(fontsize=8)
