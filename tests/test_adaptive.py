@@ -186,8 +186,10 @@ def plan(rank: int, world: int, device: str):
 
     yield ("changing",), lambda: run_steps(rank, "q8,adaptive", changing, SECOND + 40, EVERY)
     # q1 keeps residuals (error feedback on); topk too, with another residual layout.
-    yield ("ef", "q1"), lambda: run_steps(rank, "q1,adaptive", constant(1.0, 0.5), 30, every=4)
-    yield ("ef", "topk"), lambda: run_steps(rank, "topk:0.05,adaptive", constant(1, 0.5), 30, 4)
+    # Without the methods' default warm-up and ramp: compressed from the first decision.
+    q1, topk = "q1,adaptive,start_iter=0,ramp=0", "topk:0.05,adaptive,start_iter=0,ramp=0"
+    yield ("ef", "q1"), lambda: run_steps(rank, q1, constant(1.0, 0.5), 30, every=4)
+    yield ("ef", "topk"), lambda: run_steps(rank, topk, constant(1, 0.5), 30, 4)
 
     def real_clock_ddp():
         state = ddpcomm.CompressionState("q8,adaptive", adaptive_every=4)
