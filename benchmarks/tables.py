@@ -3,6 +3,7 @@ after the run, or as markdown for RESULTS.md: tables are printed from results, n
 
     python benchmarks/tables.py benchmarks/train_1gbit_2ranks.json
     python benchmarks/tables.py --markdown benchmarks/*.json
+    python benchmarks/tables.py --gaps benchmarks/train_fidelity_*.json   # loss gap by seed
 """
 
 from __future__ import annotations
@@ -14,10 +15,19 @@ import sys
 
 def main(argv: list[str]) -> int:
     markdown = "--markdown" in argv
-    paths = [a for a in argv if a != "--markdown"]
+    paths = [a for a in argv if a not in ("--markdown", "--gaps")]
     if not paths:
         print(__doc__, file=sys.stderr)
         return 2
+    if "--gaps" in argv:
+        from ddpcomm.bench import train
+
+        results = []
+        for path in paths:
+            with open(path) as f:
+                results.append(json.load(f))
+        print(train.gaps_by_seed(results, markdown))
+        return 0
     for i, path in enumerate(paths):
         with open(path) as f:
             result = json.load(f)

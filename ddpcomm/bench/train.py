@@ -385,6 +385,31 @@ def _eval_table(rows: list[dict], base: dict | None, markdown: bool) -> list[str
     return [table(headers, body, markdown), ""]
 
 
+def gaps_by_seed(results: list[dict], markdown: bool = False) -> str:
+    """Final held-out-loss gap to DDP's default of each method in each of several train
+    results (one per seed, say), with the mean and range: a single run's gap moves with
+    the training trajectory, which any perturbation of the gradients changes."""
+    seeds, gaps = [], {}
+    for result in results:
+        rows = [r for r in result["rows"] if r["status"] == "ok"]
+        base = next(r["eval_loss"] for r in rows if r["method"] == "ddp")
+        seeds.append(str(result["args"]["seed"]))
+        for r in rows:
+            gaps.setdefault(r["method"], {})[seeds[-1]] = r["eval_loss"] / base - 1
+    headers = ["method", *[f"seed {s}" for s in seeds], "mean", "min", "max"]
+    body = []
+    for method, by_seed in gaps.items():
+        values = list(by_seed.values())
+        body.append(
+            [
+                method,
+                *[f"{by_seed[s]:+.2%}" if s in by_seed else "-" for s in seeds],
+                *[f"{v:+.2%}" for v in (statistics.fmean(values), min(values), max(values))],
+            ]
+        )
+    return table(headers, body, markdown)
+
+
 def _decided(row: dict) -> str:
     """What adaptive pass-through decided, by bucket size class."""
     if "adaptive" not in row:
