@@ -169,6 +169,18 @@ def test_failure_reason_unwraps_a_callback_error_that_aborted():
     assert _ranks.failure_reason(other) == "C++ abort: [pair.cc:456] Connection closed by peer"
 
 
+def test_train_quick_on_text(cwd, tmp_path):
+    out = tmp_path / "t.json"
+    bench(cwd, "train", "--quick", "--data", "text", "--methods", "ddp,q8", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert "English text" in result["environment"]["model"]
+    for r in result["rows"]:
+        assert r["status"] == "ok" and r["replicas_identical"], r
+        # Held out after 2, 6 and 12 steps, below the uniform loss over 128 characters.
+        assert [s for s, _ in r["eval_losses"]] == [2, 6, 12]
+        assert 0 < r["eval_loss"] < 4.86
+
+
 def test_train_quick(cwd, tmp_path):
     out = tmp_path / "t.json"
     bench(cwd, "train", "--quick", "--methods", "ddp,q8", "--out", str(out))

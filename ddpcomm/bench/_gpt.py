@@ -1,4 +1,5 @@
-"""A small GPT and a synthetic language for the end-to-end benchmark (no downloads).
+"""A small GPT and two corpora for the end-to-end benchmark (no downloads): a synthetic
+language (below) and English text (``Text``).
 
 The language: a second-order Markov chain over ``vocab`` tokens. Each token ``a`` has 8
 possible successors (a fixed random table, drawn from a Zipf distribution over the
@@ -120,12 +121,56 @@ class Language:
             out[:, t] = self.successors[prev1, slot]
         return out[:, :-1], out[:, 1:]
 
+    def held_out_batch(self, batch: int, seq: int, seed: int):
+        """Every sequence is new, so a batch of an unused seed is held out."""
+        return self.batch(batch, seq, seed)
 
-def describe(cfg: GPTConfig) -> str:
+
+class Text:
+    """Character-level English: the help texts CPython ships (``pydoc_data.topics``, about
+    465K characters of documentation prose and code), as ASCII codes (vocab 128). The
+    last tenth is held out; training windows come from the rest at seeded offsets."""
+
+    VOCAB = 128
+
+    def __init__(self) -> None:
+        from pydoc_data.topics import topics
+
+        text = "\n".join(topics[k] for k in sorted(topics)).encode("ascii", "replace")
+        codes = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+        cut = len(codes) * 9 // 10
+        self.train, self.held_out = codes[:cut], codes[cut:]
+
+    @staticmethod
+    def _windows(codes: torch.Tensor, batch: int, seq: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        starts = torch.randint(0, len(codes) - seq - 1, (batch,), generator=g)
+        rows = torch.stack([codes[s : s + seq + 1] for s in starts.tolist()])
+        return rows[:, :-1], rows[:, 1:]
+
+    def batch(self, batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, next-character targets) from the training text; a function of ``seed``."""
+        return self._windows(self.train, batch, seq, seed)
+
+    def held_out_batch(self, batch: int, seq: int, seed: int):
+        return self._windows(self.held_out, batch, seq, seed)
+
+
+def corpus(data: str, vocab: int, seed: int):
+    """The benchmark's corpus: ``"markov"`` (the synthetic language of ``vocab`` tokens,
+    its tables from ``seed``) or ``"text"`` (``Text``; its vocab is fixed at 128)."""
+    return Text() if data == "text" else Language(vocab, seed=seed)
+
+
+def describe(cfg: GPTConfig, data: str = "markov") -> str:
     params = num_params(GPT(cfg))
+    if data == "text":
+        floor = f"English text (pydoc_data), {len(Text().train)} training characters"
+    else:
+        floor = f"loss floor {Language(cfg.vocab).entropy_floor():.3f}"
     return (
         f"GPT {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, vocab "
         f"{cfg.vocab}, seq {cfg.seq}: {params / 1e6:.1f}M parameters "
-        f"({params * 4 / 2**20:.0f} MiB of fp32 gradients); loss floor "
-        f"{Language(cfg.vocab).entropy_floor():.3f}, uniform {math.log(cfg.vocab):.3f}"
+        f"({params * 4 / 2**20:.0f} MiB of fp32 gradients); {floor}, uniform "
+        f"{math.log(cfg.vocab):.3f}"
     )

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpcomm.bench import _methods, _ranks
-from ddpcomm.bench._gpt import GPT, GPTConfig, Language, describe, num_params
+from ddpcomm.bench._gpt import GPT, GPTConfig, Text, corpus, describe, num_params
 from ddpcomm.bench._util import environment, finish, machine_line, progress, short, table, wall
 
 DESCRIPTION = """\
@@ -100,6 +100,13 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
     p.add_argument(
+        "--data",
+        choices=("markov", "text"),
+        default="markov",
+        help="markov: the synthetic second-order Markov language of --vocab tokens (default); "
+        "text: character-level English (CPython's pydoc help texts, vocab 128)",
+    )
+    p.add_argument(
         "--link", metavar="RATE", help="shape each rank's link to RATE (1gbit, 10gbit); needs root"
     )
     p.add_argument(
@@ -123,6 +130,8 @@ def _config(args) -> GPTConfig:
         raise SystemExit(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps}")
     if not args.lr > 0 or (args.timeout is not None and not args.timeout > 0):
         raise SystemExit(f"--lr and --timeout must be > 0, got {args.lr}, {args.timeout}")
+    if args.data == "text":
+        args.vocab = Text.VOCAB
     try:
         return GPTConfig(args.vocab, args.seq, args.d_model, args.layers, args.heads)
     except ValueError as exc:
@@ -136,13 +145,23 @@ def run(args, command: str = "train") -> int:
     cfg = _config(args)
     rate = _ranks.link_rate(args.link)
     methods = sorted(args.methods, key=lambda m: m != "ddp")  # the others compare with it
-    env = dict(environment(), model=describe(cfg))
+    env = dict(environment(), model=describe(cfg, args.data))
     progress(env["model"])
     grad_bytes = 4 * num_params(GPT(cfg))
     world = _ranks.world_size(args.world)
     settings = {
         k: getattr(args, k)
-        for k in ("steps", "warmup_steps", "batch", "eval_batch", "lr", "seed", "accum", "lr_decay")
+        for k in (
+            "steps",
+            "warmup_steps",
+            "batch",
+            "eval_batch",
+            "lr",
+            "seed",
+            "accum",
+            "lr_decay",
+            "data",
+        )  # fmt: skip
     }
     cases = [
         {
@@ -231,7 +250,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, functools.partial(_lr_factor, steps=steps, decay=case.get("lr_decay", "none"))
     )
-    lang = Language(cfg.vocab, seed=case["seed"])
+    lang = corpus(case.get("data", "markov"), cfg.vocab, case["seed"])
     accum = case.get("accum", 1)
 
     def step(batches) -> float:
@@ -250,7 +269,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
 
     # Held-out loss on one fixed batch, the same for every method and rank, after a sixth,
     # half and all of the steps (after 100, 300 and 600 of 600).
-    ex, ey = lang.batch(case["eval_batch"], cfg.seq, seed=999_999_937)
+    ex, ey = lang.held_out_batch(case["eval_batch"], cfg.seq, seed=999_999_937)
     evals = {}
     log = _ranks.StepLog(method, steps)
     for i in range(steps):
