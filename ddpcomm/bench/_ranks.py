@@ -237,10 +237,9 @@ def failure_reason(log: str) -> str | None:
     lines = [re.sub(r"^\[rank\d+\]:\s?", "", ln) for ln in log.splitlines()]
     what = [ln.split("what():", 1)[1].strip() for ln in lines if "what():" in ln]
     # A callback's Python exception that ended the process as a C++ abort is read as the
-    # Python exception it wraps (below); any other abort is reported as itself.
-    if (
-        what and _CALLBACK not in what[-1]
-    ):  # build-machine paths ("/__w/pytorch/.../pair.cc:456") say nothing: keep the file
+    # Python exception it wraps (below); any other abort is reported as itself, with
+    # build-machine paths ("/__w/pytorch/.../pair.cc:456") cut to the file.
+    if what and _CALLBACK not in what[-1]:
         return "C++ abort: " + re.sub(r"(?:/[^\s/]+)+/([^\s/]+:\d+)", r"\1", what[-1])
     idx = next((i for i in range(len(lines) - 1, -1, -1) if _EXC.search(lines[i])), None)
     if idx is None:

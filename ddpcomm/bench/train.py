@@ -161,7 +161,7 @@ def run(args, command: str = "train") -> int:
             "accum",
             "lr_decay",
             "data",
-        )  # fmt: skip
+        )
     }
     cases = [
         {
@@ -270,7 +270,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
     # Held-out loss on one fixed batch, the same for every method and rank, after a sixth,
     # half and all of the steps (after 100, 300 and 600 of 600).
     ex, ey = lang.held_out_batch(case["eval_batch"], cfg.seq, seed=999_999_937)
-    evals = {}
+    evals, scored = {}, eval_steps(steps)
     log = _ranks.StepLog(method, steps)
     for i in range(steps):
         if i == warm:  # counters cover the timed steps (DDP rebuilds its buckets at step 1)
@@ -283,7 +283,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         ]
         loss, seconds = wall(lambda b=batches: step(b), device)
         log.add(i, loss, seconds)
-        if i + 1 in eval_steps(steps):
+        if i + 1 in scored:
             with torch.no_grad():
                 evals[i + 1] = model(ex.to(device), ey.to(device)).item()
     dist.barrier()
