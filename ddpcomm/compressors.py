@@ -511,12 +511,14 @@ def ramp_stages(c: Compressor) -> list[Compressor]:
 
 
 # The warm-up and ramp a hook state uses when none is given, as (start_iter, ramp). On an
-# AdamW transformer (benchmarks/train_fidelity_2ranks.txt, 600 steps) q1, 1% top-k and 1%
-# random-k compressing from the first step end 45-98% above DDP's final loss: Adam's
-# moments form from the early, large gradients. With these schedules the gap is within
-# 0.3% (q2), 1.2% (q1), 2.1% (top-k) and 8% (random-k). Random-k needs the longer
-# full-precision start: with 20-60 plain iterations it stayed 16-56% behind, however long
-# its ramp. torch's PowerSGD hook likewise warms up for 1,000 iterations by default.
+# AdamW transformer (benchmarks/RESULTS.md, low-bit fidelity, 600 steps) q1, 1% top-k and
+# 1% random-k compressing from the first step end 45-98% above DDP's final loss on the
+# synthetic language (seed 0) and 11-39% on English text: Adam's moments form from the
+# early, large gradients. These schedules take the gaps to 1.2-8% and 3.5-17%, the best
+# of those measured (20 + 40 left q1 and top-k further behind on the synthetic language).
+# Random-k needs the longer full-precision start: with 20-60 plain iterations it stayed
+# 16-56% behind, however long its ramp. torch's PowerSGD hook likewise warms up for 1,000
+# iterations by default.
 LOW_BIT_SCHEDULE = (40, 80)  # q2, q1, top-k
 RANDOM_K_SCHEDULE = (100, 200)
 
