@@ -169,6 +169,29 @@ def test_failure_reason_unwraps_a_callback_error_that_aborted():
     assert _ranks.failure_reason(other) == "C++ abort: [pair.cc:456] Connection closed by peer"
 
 
+def test_adaptive_summary_counts_decisions_against_the_same_run():
+    from ddpcomm.bench import collectives
+
+    def row(method, ms, path=None):
+        r = {"world": 2, "size_mib": 1, "method": method, "status": "ok", "median_s": ms / 1e3}
+        return r if path is None else {**r, "adaptive_path": path}
+
+    rows = [
+        row("allreduce", 10.0),
+        row("q8", 5.0),
+        row("q8,adaptive", 5.1, "compressed"),  # the faster path, within 5% of it
+        row("q4", 20.0),
+        row("q4,adaptive", 10.5, "plain"),  # the faster path, 5% over plain: > 3%
+        row("q1", 10.2),
+        row("q1,adaptive", 12.0, "compressed"),  # a tie, but 20% slower than either
+    ]
+    plain = {(2, 1): rows[0]}
+    (line,) = collectives._adaptive_summary(rows, plain)[1:]
+    assert "3 cells: took the faster of plain and its method in 2, the slower in 0" in line
+    assert "either (within 5%) in 1; ran more than 3% slower than plain in 2" in line
+    assert "more than 5% slower than the faster in 1" in line
+
+
 def test_train_quick_on_text(cwd, tmp_path):
     out = tmp_path / "t.json"
     bench(cwd, "train", "--quick", "--data", "text", "--methods", "ddp,q8", "--out", str(out))

@@ -342,8 +342,40 @@ def report(result: dict, markdown: bool = False) -> str:
             ]
         )
     lines += ["", table(headers, body, markdown)]
+    lines += _adaptive_summary(rows, plain)
     lines += [f"warning: {w}" for w in env.get("warnings", [])]
     return "\n".join(lines)
+
+
+def _adaptive_summary(rows: list[dict], plain: dict) -> list[str]:
+    """How each adaptive row's decision and time compare with plain and its fixed method
+    measured in the same run (a path within 5% of the other counts as either)."""
+    done = {(r["world"], r["size_mib"], r["method"]): r for r in rows if r["status"] == "ok"}
+    found = {"cells": 0, "faster": 0, "slower": 0, "tie": 0, "over_plain": 0, "over_best": 0}
+    for (world, size, method), r in done.items():
+        fixed = done.get((world, size, method.removesuffix(",adaptive")))
+        base = plain.get((world, size))
+        if not method.endswith(",adaptive") or fixed is None or base is None:
+            continue
+        t_plain, t_fixed, t = base["median_s"], fixed["median_s"], r["median_s"]
+        found["cells"] += 1
+        if abs(t_plain - t_fixed) <= 0.05 * min(t_plain, t_fixed):
+            found["tie"] += 1
+        else:
+            best = "compressed" if t_fixed < t_plain else "plain"
+            found["faster" if r.get("adaptive_path") == best else "slower"] += 1
+        found["over_plain"] += t > 1.03 * t_plain
+        found["over_best"] += t > 1.05 * min(t_plain, t_fixed)
+    if not found["cells"]:
+        return []
+    return [
+        "",
+        f"adaptive, {found['cells']} cells: took the faster of plain and its method in "
+        f"{found['faster']}, the slower in {found['slower']}, either (within 5%) in "
+        f"{found['tie']}; ran more than 3% slower than plain in {found['over_plain']} and "
+        f"more than 5% slower than the faster in {found['over_best']} (each row is timed "
+        "apart from the others: the same path measured twice differs too)",
+    ]
 
 
 def _mb(b: float) -> str:
