@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--steps", type=int, default=160, help="training steps per method (default 160)")
+    p.add_argument("--steps", type=int, default=340, help="training steps per method (default 340)")
     p.add_argument(
         "--out", metavar="PATH", help="write the results (with loss curves) as JSON to PATH"
     )
@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
 
 def _timed_from(steps: int) -> int:
     """The first step counted in step times and bytes: the end of top-k's default schedule
-    (40 plain, then 80 ramp iterations), or step 5 of a run too short to time after it."""
+    (100 plain, then 200 ramp iterations), or step 5 of a run too short to time after it."""
     schedule = sum(LOW_BIT_SCHEDULE)
     return schedule if steps >= schedule + 20 else min(5, steps - 1)
 
