@@ -234,7 +234,7 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
     chunk = q.chunk_numel(n, world)  # elements per rank, whole blocks
     per_chunk = chunk // block  # records per chunk; the trailing chunks may hold fewer
     records = math.ceil(n / block)
-    held = [max(0, min(records, (d + 1) * per_chunk) - d * per_chunk) for d in range(world)]
+    held = [size // rec for size in q.two_phase_splits(n, world)]  # records in each chunk
     my_numel = max(0, min(n, (rank + 1) * chunk) - rank * chunk)
 
     seq = sequencer(pg)
@@ -296,7 +296,7 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
                         rank * stride + world * chunk + rank * chunk + e0,
                     )
                 reply[: reduced.numel()] = reduced
-            reply[max(0, min(c1, held[rank]) - c0) * rec :] = 0  # short chunks: never read
+            reply[inbox.shape[1] :] = 0  # past a short chunk's records: never read
         except Exception as exc:  # noqa: BLE001
             # Still take part in phase 2 so no peer hangs; all-ones bytes make NaN
             # magnitudes, so every rank's result is non-finite, and this rank raises.
