@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from ddpcomm import agreement, collectives
 from ddpcomm.compressors import Compressor, check_int
-from ddpcomm.context import Future, ReduceContext
+from ddpcomm.context import Future, ReduceContext, then
 
 PLAIN, COMPRESSED = "plain", "compressed"
 WARMUP_STEPS = 2  # step 0 plain, step 1 compressed: first calls, never timed
@@ -194,7 +194,7 @@ class Adaptive:
                 record.untimed = True
                 raise
 
-        return fut.then(done)
+        return then(fut, done)
 
     def _begin(self, step: int, group: dist.ProcessGroup, device: torch.device) -> None:
         """The first call of step ``step``: ends the last step's record, decides, starts a

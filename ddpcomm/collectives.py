@@ -40,6 +40,7 @@ from ddpcomm.context import (
     fingerprint,
     join,
     sequencer,
+    then,
 )
 
 
@@ -82,7 +83,7 @@ def plain_all_reduce(flat: torch.Tensor, ctx: ReduceContext) -> Future:
     dense = dense_bytes(flat.numel(), world, flat.element_size())
     ctx.stats.record("plain", dense, dense)
     work = dist.all_reduce(flat, group=ctx.pg, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    return then(work.get_future(), lambda fut: fut.value()[0])
 
 
 def sparse_all_reduce(grad: torch.Tensor, ctx: ReduceContext) -> Future:
@@ -98,7 +99,7 @@ def sparse_all_reduce(grad: torch.Tensor, ctx: ReduceContext) -> Future:
         "sparse_plain", (world - 1) * own, dense_bytes(grad.numel(), world, grad.element_size())
     )
     work = dist.all_reduce(grad, group=ctx.pg, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    return then(work.get_future(), lambda fut: fut.value()[0])
 
 
 def _cast(flat: torch.Tensor, c: CastCompression, ctx: ReduceContext) -> Future:
@@ -118,7 +119,7 @@ def _cast(flat: torch.Tensor, c: CastCompression, ctx: ReduceContext) -> Future:
             # bucket: no second bucket-sized tensor alive at the peak.
             return flat.copy_(fut.value()[0])
 
-    return work.get_future().then(decode)
+    return then(work.get_future(), decode)
 
 
 # --------------------------------------------------------------------------------------
@@ -166,7 +167,7 @@ def _gather_pieces(send, gathered, spans, pg, prepare, land) -> list[Future]:
             fut.wait()
             land(i, rows)
 
-        futures.append(work.get_future().then(landed))
+        futures.append(then(work.get_future(), landed))
     return futures
 
 
@@ -222,7 +223,7 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
     if residual is None:
         return done
     # Every rank sees every payload, so all agree on whether the step was finite.
-    return done.then(lambda f: _reset_unless(ctx, _magnitudes_finite(gathered, rec), f))
+    return then(done, lambda f: _reset_unless(ctx, _magnitudes_finite(gathered, rec), f))
 
 
 def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -> Future:
@@ -311,9 +312,9 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 w2 = all_gather_single(rows, reply, group=seq.companion, async_op=True)
             if error is not None:
-                w2.get_future().then(lambda _: result.set_exception(error))
+                then(w2.get_future(), lambda _: result.set_exception(error))
             else:
-                w2.get_future().then(lambda f: decode(c0, c1, rows, result, f))
+                then(w2.get_future(), lambda f: decode(c0, c1, rows, result, f))
 
         seq.submit(ticket, issue)
 
@@ -353,13 +354,13 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
         ticket = seq.ticket()
         result = device_future(flat.device)
         inbox = inbox.view(world, mine)
-        work.get_future().then(functools.partial(owner_step, c0, c1, inbox, ticket, result))
+        then(work.get_future(), functools.partial(owner_step, c0, c1, inbox, ticket, result))
         results.append(result)
     done = join(results, flat, flat.device)
     if not q.error_feedback:
         return done
     # Every rank decodes every record, so all agree on whether the step was finite.
-    return done.then(lambda f: _reset_unless(ctx, _magnitudes_finite(gathered, rec), f))
+    return then(done, lambda f: _reset_unless(ctx, _magnitudes_finite(gathered, rec), f))
 
 
 def _stream_seed(seed: int, key) -> int:
@@ -446,7 +447,7 @@ def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
                     flat.copy_(total)
             return flat
 
-        return work.get_future().then(decode_dense)
+        return then(work.get_future(), decode_dense)
 
     size = packed.numel()
     gathered = ctx.buffer("gather", world * size, flat.device)
@@ -479,7 +480,7 @@ def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
                 ctx.reset_unless(torch.isfinite(values).all())
         return flat
 
-    return join(futures, flat, flat.device).then(decode)
+    return then(join(futures, flat, flat.device), decode)
 
 
 def _randk(flat: torch.Tensor, c: RandomK, ctx: ReduceContext) -> Future:
@@ -512,4 +513,4 @@ def _randk(flat: torch.Tensor, c: RandomK, ctx: ReduceContext) -> Future:
                 ctx.reset_unless(torch.isfinite(values).all())
         return flat
 
-    return join(futures, values, flat.device).then(decode)
+    return then(join(futures, values, flat.device), decode)

@@ -11,6 +11,7 @@ algorithms read top-down:
 - ``verify_config``: ranks that disagree on the method fail on every rank, not hang.
 - ``Sequencer``: second-phase collectives issued in one order on every rank.
 - ``device_future`` and ``Latch``: Futures that carry CUDA results correctly.
+- ``then``: every callback ddpcomm attaches to a Future, drained at interpreter exit.
 
 CUDA futures. A ``torch.futures.Future`` created with ``devices=[cuda device]`` records an
 event on the current stream when it is completed, and whoever waits on it (DDP's reducer,
@@ -22,6 +23,7 @@ wrote it. Every Future here that carries a CUDA tensor is the collective's own f
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import threading
@@ -43,6 +45,43 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 # --------------------------------------------------------------------------------------
 # Futures
 # --------------------------------------------------------------------------------------
+
+
+# Every callback ddpcomm hands to a torch Future, until torch frees it. On gloo, torch runs
+# callbacks on the group's worker thread; after the last one has completed the Future a
+# training step waits on, that thread still takes the GIL to free the callbacks, their
+# Futures and the finished collective's tensors. If the interpreter is finalizing by then,
+# the thread is killed inside a destructor and the process aborts ("terminate called
+# without an active exception"): a 2-rank torchrun script ending right after its last
+# step did so in 1-2 runs of 40. So at exit, before finalizing, ddpcomm waits (GIL
+# released) for its callbacks to be freed, then a moment more for the collectives that
+# follow them; with that, 0 runs of 80 aborted.
+_CALLBACKS: weakref.WeakSet = weakref.WeakSet()
+_EXIT_WAIT = 2.0  # seconds exit waits at most, for collectives that never finished
+_EXIT_GRACE = 0.05  # seconds more, for the worker to free each finished collective
+_used_callbacks = False
+
+
+def then(fut: Future, fn: Callable[[Future], object]) -> Future:
+    """``fut.then(fn)``, its callback tracked until torch frees it (see ``_drain``)."""
+    global _used_callbacks
+
+    def callback(f: Future):  # a fresh object per call: freed exactly when torch drops it
+        return fn(f)
+
+    _used_callbacks = True
+    _CALLBACKS.add(callback)
+    return fut.then(callback)
+
+
+@atexit.register
+def _drain() -> None:
+    if not _used_callbacks:
+        return
+    deadline = time.monotonic() + _EXIT_WAIT
+    while _CALLBACKS and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(_EXIT_GRACE)
 
 
 def device_future(device: torch.device) -> Future:
@@ -111,13 +150,13 @@ class Latch:
                 return
             self.arrive()
 
-        fut.then(part)
+        then(fut, part)
 
 
 def join(futures: list[Future], value, device: torch.device) -> Future:
     """A Future of ``value`` completed after every one of ``futures`` (CUDA-ordered)."""
     if len(futures) == 1:
-        return futures[0].then(lambda f: (f.wait(), value)[1])
+        return then(futures[0], lambda f: (f.wait(), value)[1])
     latch = Latch(len(futures), value, device)
     for f in futures:
         latch.watch(f)

@@ -33,7 +33,7 @@ from ddpcomm.compressors import (
     ramp_stages,
     take_state_options,
 )
-from ddpcomm.context import ReduceContext, ResidualMemory, Stats, Workspace
+from ddpcomm.context import ReduceContext, ResidualMemory, Stats, Workspace, then
 from ddpcomm.layout import LayoutTracker, Reformer
 
 
@@ -434,7 +434,7 @@ def _hook(state: CompressionState, bucket: dist.GradBucket, hook: str) -> torch.
         state._unchecked = False
     # DDP's reducer reads the Future from C++: an error must be a C++-level one (raised in
     # a callback), or it reaches the user as "Unable to cast <message> to Tensor".
-    return fut.then(_value)
+    return then(fut, _value)
 
 
 def _value(fut: torch.futures.Future):

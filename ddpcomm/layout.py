@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ddpcomm.context import Latch
+from ddpcomm.context import Latch, then
 
 
 class LayoutTracker:
@@ -129,4 +129,4 @@ class Reformer:
                 pos += numel
                 latch.arrive()
 
-        self.reduce(flat, t, signature).then(scatter)
+        then(self.reduce(flat, t, signature), scatter)

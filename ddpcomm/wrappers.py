@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from ddpcomm import agreement, collectives, ops
 from ddpcomm.compressors import Compressor, parse
-from ddpcomm.context import ReduceContext, completed, join
+from ddpcomm.context import ReduceContext, completed, join, then
 
 Future = torch.futures.Future
 ReduceOp = dist.ReduceOp
@@ -309,7 +309,7 @@ def _run(jobs, compressor: Compressor, op, pg, step: int, tensors, async_op: boo
         return lambda f: write(_reduced(flat, compressor, op, world, f.value()))
 
     futures = [
-        (p.get_future() if isinstance(p, dist.Work) else p).then(finisher(flat, write))
+        then(p.get_future() if isinstance(p, dist.Work) else p, finisher(flat, write))
         for flat, write, p in issued
     ]
 
@@ -404,7 +404,7 @@ def all_reduce(
         )
         if not async_op:
             return None
-        return AllReduceHandle(work.get_future().then(lambda _: [tensor]))
+        return AllReduceHandle(then(work.get_future(), lambda _: [tensor]))
     if compressor.lossy and tensor.numel() == 0:
         return AllReduceHandle(completed([tensor], tensor.device)) if async_op else None
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import importlib
 import json
 import math
@@ -345,6 +346,14 @@ def _link_check(mib: int) -> float:
     return median.item()
 
 
+def _destroy_group() -> None:
+    # A DDP model's reference cycles keep the gloo group alive past destroy_process_group
+    # until a collection; freed at interpreter exit instead, its worker threads can abort
+    # the process (pytorch/pytorch#190489).
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def _target(name: str):
     module, _, func = name.partition(":")
     return getattr(importlib.import_module(module), func)
@@ -363,7 +372,7 @@ def _inline(cases: list[dict], common: dict, env: dict) -> list[dict] | None:
             except Exception:
                 reason = failure_reason(traceback.format_exc()) or "unknown error"
                 rows.append(dict(case["row"], status="failed", reason=reason))
-    dist.destroy_process_group()
+    _destroy_group()
     return rows if rank == 0 else None
 
 
@@ -383,7 +392,7 @@ def _main() -> None:
         _event("start", index=i, label=case["label"])
         _event("result", result=run_case(case, common, device))
     dist.barrier()
-    dist.destroy_process_group()
+    _destroy_group()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ ranks itself with torch.multiprocessing. With USE_ACCELERATE=1 accelerate's
 logging data names and a digest of its final parameters.
 """
 
+import gc
 import hashlib
 import os
 import sys
@@ -51,18 +52,26 @@ def train(rank: int, world: int) -> None:
     print(f"rank {rank} hook={hook} params={digest}", flush=True)
 
 
+def finish() -> None:
+    # DDP's reference cycles keep the gloo group alive past destroy_process_group until a
+    # collection; freed instead at interpreter exit, its worker threads abort the process
+    # in about a third of runs (pytorch/pytorch#190489).
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def spawned(rank: int, world: int, port: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     train(rank, world)
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":
     if "RANK" in os.environ:  # under torchrun
         dist.init_process_group("gloo")
         train(dist.get_rank(), dist.get_world_size())
-        dist.destroy_process_group()
+        finish()
     else:
         mp.spawn(spawned, args=(2, sys.argv[1]), nprocs=2)
