@@ -256,8 +256,8 @@ def test_ramp_steps_through_milder_stages_in_order():
         ("q4,error_feedback", (0, 0)),
         ("q2", compressors.LOW_BIT_SCHEDULE),
         ("q1", compressors.LOW_BIT_SCHEDULE),
-        ("topk:0.01", compressors.LOW_BIT_SCHEDULE),
-        ("randk:0.01", compressors.LOW_BIT_SCHEDULE),
+        ("topk:0.01", compressors.SPARSE_SCHEDULE),
+        ("randk:0.01", compressors.SPARSE_SCHEDULE),
         ("topk:0.25", (0, 0)),
         ("fp16", (0, 0)),
         ("none", (0, 0)),
@@ -276,8 +276,10 @@ def test_default_schedule_by_method(spec, schedule):
 
 
 def test_named_states_take_the_default_schedule():
-    for state in (ddpcomm.QuantizeState(bits=1), ddpcomm.TopKState(), ddpcomm.RandomKState()):
-        assert (state.start_iter, state.ramp) == compressors.LOW_BIT_SCHEDULE
+    q1 = ddpcomm.QuantizeState(bits=1)
+    assert (q1.start_iter, q1.ramp) == compressors.LOW_BIT_SCHEDULE
+    for state in (ddpcomm.TopKState(), ddpcomm.RandomKState()):
+        assert (state.start_iter, state.ramp) == compressors.SPARSE_SCHEDULE
     assert ddpcomm.QuantizeState(bits=4).start_iter == 0
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from ddpcomm.bench import netns, train
-from ddpcomm.compressors import LOW_BIT_SCHEDULE
+from ddpcomm.compressors import SPARSE_SCHEDULE
 
 DESCRIPTION = """\
 Trains the same small GPT from the same start on 2 gloo ranks on this CPU with DDP's
@@ -38,7 +38,7 @@ def add_parser(sub) -> None:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--steps", type=int, default=340, help="training steps per method (default 340)")
+    p.add_argument("--steps", type=int, default=440, help="training steps per method (default 440)")
     p.add_argument(
         "--out", metavar="PATH", help="write the results (with loss curves) as JSON to PATH"
     )
@@ -51,8 +51,8 @@ def add_parser(sub) -> None:
 
 def _timed_from(steps: int) -> int:
     """The first step counted in step times and bytes: the end of top-k's default schedule
-    (100 plain, then 200 ramp iterations), or step 5 of a run too short to time after it."""
-    schedule = sum(LOW_BIT_SCHEDULE)
+    (200 plain, then 200 ramp iterations), or step 5 of a run too short to time after it."""
+    schedule = sum(SPARSE_SCHEDULE)
     return schedule if steps >= schedule + 20 else min(5, steps - 1)
 
 
