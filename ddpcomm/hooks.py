@@ -48,14 +48,15 @@ class CompressionState:
             the full-precision warm-up. Lets DDP settle its bucket layout and the model
             (and Adam's moments) leave its first, large-gradient steps before compression
             starts. None means the method's default (``compressors.default_schedule``:
-            100 for q2, q1 and top-k or random-k below 25% density, 0 for the rest).
+            100 for q2 and q1, 200 for top-k or random-k below 25% density, 0 for the
+            rest).
         min_numel: buckets with fewer elements go uncompressed (latency-bound anyway).
         process_group: the group to reduce over; None means the default group.
         ramp: iterations after ``start_iter`` that step through milder versions of the
             method before it (``compressors.ramp_stages``: q1 runs q8, q4, q2; topk:0.01
             runs 25%, 6.25%, 1.5625% density), the ``ramp`` iterations split evenly
             between them in order. The residuals carry across stages. None means the
-            method's default (200 where ``start_iter``'s default is 100, else 0). Give
+            method's default (200 where ``start_iter``'s default is not 0, else 0). Give
             ``start_iter=0, ramp=0`` to compress from the first iteration.
         adaptive: time the plain and the compressed path per bucket size class and send
             plain where compression does not pay (``ddpcomm.adaptive``). Off by default:
