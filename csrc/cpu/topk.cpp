@@ -27,6 +27,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -443,31 +444,36 @@ int64_t first_at_or_above(const int32_t* idx, int64_t k, int64_t i) {
 }
 
 // out[i0, i1) = (sum of the rows' values at i, in row order, from 0) / divisor, 0 where no
-// row holds i. `acc` is this task's fp32 slice of kSumSlice elements.
+// row holds i. `acc` is this task's fp32 slice of kSumSlice elements; `spans` has a room
+// per row for the range of its entries that fall in the slice.
 template <typename V, typename O>
 void sum_slice(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t k, int64_t i0,
-               int64_t i1, bool whole_rows, float div, float* acc, O* out) {
-  std::fill(acc, acc + (i1 - i0), 0.0f);
-  std::fill(out + i0, out + i1, static_cast<O>(0.0f));
-  // Rank order: row r is added after row r - 1, so duplicates across ranks sum in rank
-  // order. One slice covering [0, numel) takes whole rows (no search, any order).
-  for (int pass = 0; pass < 2; ++pass) {
+               int64_t i1, bool whole_rows, float div, float* acc, O* out,
+               std::vector<std::pair<int64_t, int64_t>>& spans) {
+  // One slice covering [0, numel) takes whole rows (no search, any order).
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* idx = reinterpret_cast<const int32_t*>(in + r * row_bytes);
+    spans[r] = whole_rows
+                   ? std::make_pair(int64_t{0}, k)
+                   : std::make_pair(first_at_or_above(idx, k, i0), first_at_or_above(idx, k, i1));
+  }
+  // Calls fn(i - i0, value) for every entry in the slice, row by row in rank order.
+  const auto each_entry = [&](auto&& fn) {
     for (int64_t r = 0; r < rows; ++r) {
       const int32_t* idx = reinterpret_cast<const int32_t*>(in + r * row_bytes);
       const V* val = reinterpret_cast<const V*>(in + r * row_bytes + 4 * k);
-      const int64_t j0 = whole_rows ? 0 : first_at_or_above(idx, k, i0);
-      const int64_t j1 = whole_rows ? k : first_at_or_above(idx, k, i1);
-      for (int64_t j = j0; j < j1; ++j) {
+      for (int64_t j = spans[r].first; j < spans[r].second; ++j) {
         const int64_t i = idx[j];
-        if (i < i0 || i >= i1) continue;
-        if (pass == 0) {
-          acc[i - i0] = canonical(acc[i - i0] + static_cast<float>(val[j]));
-        } else {  // every index a row holds is stored; an index in two rows, twice alike
-          out[i] = static_cast<O>(canonical(acc[i - i0] / div));
-        }
+        if (i >= i0 && i < i1) fn(i - i0, val[j]);
       }
     }
-  }
+  };
+  std::fill(acc, acc + (i1 - i0), 0.0f);
+  std::fill(out + i0, out + i1, static_cast<O>(0.0f));
+  // Rank order, so duplicates across ranks sum in rank order.
+  each_entry([&](int64_t s, V v) { acc[s] = canonical(acc[s] + static_cast<float>(v)); });
+  // Every index a row holds is stored; an index in two rows, twice alike.
+  each_entry([&](int64_t s, V) { out[i0 + s] = static_cast<O>(canonical(acc[s] / div)); });
 }
 
 // Sums the rows into `out` (numel elements), divided by `divisor`, slice by slice.
@@ -487,10 +493,11 @@ void accumulate_rows(const at::Tensor& payloads, const at::Tensor& out, int64_t 
           scalar_t* o = out.data_ptr<scalar_t>();
           at::parallel_for(0, slices, 1, [&](int64_t s0, int64_t s1) {
             std::vector<float> acc(kSumSlice);
+            std::vector<std::pair<int64_t, int64_t>> spans(rows);
             for (int64_t s = s0; s < s1; ++s) {
               const int64_t i0 = s * kSumSlice, i1 = std::min(numel, i0 + kSumSlice);
               sum_slice<V, scalar_t>(in, rows, row_bytes, k, i0, i1, slices == 1, div, acc.data(),
-                                     o);
+                                     o, spans);
             }
           });
         });
