@@ -134,41 +134,80 @@ def _cast(flat: torch.Tensor, c: CastCompression, ctx: ReduceContext) -> Future:
 # high-ratio method's small payload is cut by bucket size too: q1, top-k and random-k at
 # 64 MiB go in 4 pieces (q8 and q4 in the 8 and 4 of their 2 MiB payload pieces, as
 # before). NCCL pipelines one collective by itself.
+#
+# A slow link wants smaller pieces still, a fast one larger: 8.7 MB all-gathered between
+# two ranks at 1 Gbit/s took 79.1 ms in 4 pieces and 73.6 in 16, while on loopback q4 at
+# 64 MiB took 21.6 ms in 2 MiB pieces and 28.6 in 512 KiB ones (medians, same runs). So a
+# bucket with a Workspace sizes its pieces from the payload rate the ranks measured and
+# agreed on (context.LinkRate): about _LINK_PIECE_SECONDS of wire each, between
+# _GLOO_MIN_PIECE_BYTES and _GLOO_PIECE_BYTES. At 1 Gbit/s that is ~470 KB; loopback and
+# 10 Gbit/s stay at 2 MiB.
 _GLOO_PIECE_BYTES = 2 << 20
+_GLOO_MIN_PIECE_BYTES = 512 << 10
 _GLOO_PIECE_BUCKET_BYTES = 16 << 20
-_GLOO_MAX_PIECES = 16
+_GLOO_MAX_PIECES = 16  # of _GLOO_PIECE_BYTES; smaller pieces may be as many more
+_LINK_PIECE_SECONDS = 0.004
+
+
+def _piece_bytes(link) -> int:
+    """Payload bytes per gloo piece: _GLOO_PIECE_BYTES, or fewer on a slow agreed link."""
+    if link is None:
+        return _GLOO_PIECE_BYTES
+    wire = link.agreed() * _LINK_PIECE_SECONDS  # inf until a rate is agreed
+    return int(min(_GLOO_PIECE_BYTES, max(_GLOO_MIN_PIECE_BYTES, wire)))
 
 
 def _pieces(
-    records: int, record_bytes: int, bucket_bytes: int, group: dist.ProcessGroup
+    records: int,
+    record_bytes: int,
+    bucket_bytes: int,
+    group: dist.ProcessGroup,
+    link=None,
 ) -> list[tuple[int, int]]:
-    """Record ranges [r0, r1) to send separately: several on gloo, one on NCCL."""
+    """Record ranges [r0, r1) to send separately: several on gloo, one on NCCL. ``link``
+    (the bucket's LinkRate, or None) sets the piece size on gloo."""
     count = 1
     if dist.get_backend(group) == "gloo":
-        by_payload = records * record_bytes // _GLOO_PIECE_BYTES
-        count = min(_GLOO_MAX_PIECES, max(1, by_payload, bucket_bytes // _GLOO_PIECE_BUCKET_BYTES))
+        piece = _piece_bytes(link)
+        by_payload = records * record_bytes // piece
+        most = _GLOO_MAX_PIECES * _GLOO_PIECE_BYTES // piece
+        count = min(most, max(1, by_payload, bucket_bytes // _GLOO_PIECE_BUCKET_BYTES))
     count = max(1, min(count, records))
     return [(records * i // count, records * (i + 1) // count) for i in range(count)]
 
 
-def _gather_pieces(send, gathered, spans, pg, prepare, land) -> list[Future]:
+def _gather_pieces(send, gathered, spans, pg, prepare, land, link=None) -> list[Future]:
     """All-gathers the byte spans [b0, b1) of ``send`` as one all_gather each, in order:
     ``prepare(i)`` fills span i just before it is sent, and ``land(i, rows)`` runs as its
-    (N, b1 - b0) rows arrive (at ``gathered[N * b0 : N * b1]``). One Future per span."""
+    (N, b1 - b0) rows arrive (at ``gathered[N * b0 : N * b1]``). One Future per span.
+    ``link`` (the bucket's LinkRate, or None) times the payload on its way."""
     world = dist.get_world_size(pg)
     futures = []
+    if link is not None:
+        link.start(spans[-1][1] - spans[0][0], len(spans))
     for i, (b0, b1) in enumerate(spans):
         prepare(i)
+        if link is not None:
+            link.issued(i)
         piece = gathered[world * b0 : world * b1]
         work = all_gather_single(piece, send[b0:b1], group=pg, async_op=True)
         rows = piece.view(world, b1 - b0)
 
         def landed(fut, i=i, rows=rows):
             fut.wait()
+            if link is not None:
+                link.landed(i)
             land(i, rows)
 
         futures.append(then(work.get_future(), landed))
+    if link is not None:
+        link.sent(pg)
     return futures
+
+
+def _gloo_link(ctx: ReduceContext):
+    """The bucket's LinkRate where pieces follow the link (gloo, with a Workspace)."""
+    return ctx.link() if dist.get_backend(ctx.pg) == "gloo" else None
 
 
 def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -> Future:
@@ -191,7 +230,8 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
     # whole tensor: blocks are independent and RNG counters are element indices) and sent
     # at once, letting the wire start after the first piece; its gathered rows are N
     # payloads of its element range and decode straight into that slice of `flat`.
-    pieces = _pieces(records, rec, n * flat.element_size(), pg)
+    link = _gloo_link(ctx)
+    pieces = _pieces(records, rec, n * flat.element_size(), pg, link)
 
     def elements(i):
         r0, r1 = pieces[i]
@@ -218,7 +258,7 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
             ops.dequantize_sum(rows, e1 - e0, q.bits, block, world, flat.dtype, out=flat[e0:e1])
 
     spans = [(r0 * rec, r1 * rec) for r0, r1 in pieces]
-    futures = _gather_pieces(packed, gathered, spans, pg, prepare, land)
+    futures = _gather_pieces(packed, gathered, spans, pg, prepare, land, link)
     done = join(futures, flat, flat.device)
     if residual is None:
         return done
@@ -455,7 +495,8 @@ def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
     # Selection is global (per-piece top-k would pick other entries), so the payload is
     # sent in byte pieces only, for gloo's line rate, and each piece's rows are copied into
     # place as they land; the sum then adds whole rows in rank order, as with one piece.
-    spans = _pieces(size, 1, n * flat.element_size(), pg)
+    link = _gloo_link(ctx)
+    spans = _pieces(size, 1, n * flat.element_size(), pg, link)
     rows = gathered.view(world, size)
     if len(spans) > 1:
         rows = ctx.buffer("rows", world * size, flat.device).view(world, size)
@@ -465,7 +506,7 @@ def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
             b0, b1 = spans[i]
             rows[:, b0:b1].copy_(piece)
 
-    futures = _gather_pieces(packed, gathered, spans, pg, lambda i: None, land)
+    futures = _gather_pieces(packed, gathered, spans, pg, lambda i: None, land, link)
 
     def decode(fut):
         fut.wait()

@@ -6,7 +6,8 @@ algorithms read top-down:
 - ``Stats``: bytes sent against a plain all_reduce, compression time, paths taken.
 - ``ResidualMemory``: the fp32 error-feedback residuals of each bucket.
 - ``Workspace``: reused payload buffers (a fresh multi-megabyte tensor per call costs more
-  in first-touch page faults than the kernel that fills it).
+  in first-touch page faults than the kernel that fills it), and each bucket's
+  ``LinkRate``: the rate its gloo all-gathers measured, agreed across ranks.
 - ``ReduceContext``: one call's group, bucket key, step and the three above.
 - ``verify_config``: ranks that disagree on the method fail on every rank, not hang.
 - ``Sequencer``: second-phase collectives issued in one order on every rank.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import hashlib
+import math
 import threading
 import time
 import weakref
@@ -269,6 +271,74 @@ class ResidualMemory:
         self.signatures = dict(sd["signatures"])
 
 
+class LinkRate:
+    """What one bucket's gloo all-gathers measured of the link, and the rate the ranks agreed on.
+
+    Each call records when each piece was issued and when it landed (``issued``,
+    ``landed``). A piece was on the wire from the later of its issue and the previous
+    landing until its own landing, so the payload over the sum of those spans is the rate
+    of the wire alone: pieces issued slower than they travel (a fast link, the time spent
+    compressing) do not make the link look slow. A rank's rate is the best of its calls
+    since the last agreement: a call slowed by something else (a cold first call, a busy
+    CPU) does not make the link look slow either. At fixed call counts (the ``FIRST``th,
+    then every ``EVERY`` more), after its pieces, a call sends that rate to a MIN
+    all_reduce of 8 bytes (``sent``), and the next call reads the result (``agreed``). Every rank
+    issues that all_reduce at the same call and reads it at the same call, so all of them
+    see the same slowest-rank rate, and whatever is derived from it (the piece size) is
+    the same everywhere.
+    """
+
+    __slots__ = ("calls", "_payload", "_issued", "_landed", "_best", "_pending", "_agreed")
+
+    FIRST, EVERY = 4, 64
+
+    def __init__(self) -> None:
+        self.calls = 0  # all-gathers of this bucket so far
+        self._payload, self._issued, self._landed = 0, [], []
+        self._best = 0.0  # payload bytes per second on the wire, best call since agreeing
+        self._pending = None  # (work, tensor) of the MIN all_reduce in flight
+        self._agreed = math.inf  # slowest rank's rate; inf: none agreed yet
+
+    @property
+    def pieces(self) -> int:
+        """Pieces of the last call."""
+        return len(self._issued)
+
+    def agreed(self) -> float:
+        """The slowest rank's payload rate (bytes/s) as of the last agreement, or inf."""
+        if self._pending is not None:
+            work, rate = self._pending
+            work.wait()
+            self._agreed, self._pending = float(rate), None
+        return self._agreed
+
+    def start(self, payload_bytes: int, pieces: int) -> None:
+        """Before the first piece is sent: closes the previous call's measurement."""
+        if self._payload and all(t is not None for t in self._landed):
+            wire, free = 0.0, -math.inf  # seconds on the wire; when it was free again
+            for t0, t1 in zip(self._issued, self._landed, strict=True):
+                wire += max(0.0, t1 - max(t0, free))
+                free = max(free, t1)
+            self._best = max(self._best, self._payload / wire if wire > 0 else math.inf)
+        self._payload = payload_bytes
+        self._issued, self._landed = [0.0] * pieces, [None] * pieces
+
+    def issued(self, i: int) -> None:
+        self._issued[i] = time.perf_counter()
+
+    def landed(self, i: int) -> None:
+        self._landed[i] = time.perf_counter()
+
+    def sent(self, pg: dist.ProcessGroup) -> None:
+        """After the last piece is issued: at an agreement call, the MIN all_reduce."""
+        self.calls += 1
+        if self.calls >= self.FIRST and (self.calls - self.FIRST) % self.EVERY == 0:
+            rate = torch.tensor([self._best or math.inf], dtype=torch.float64)
+            self._best = 0.0
+            work = dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=pg, async_op=True)
+            self._pending = (work, rate)
+
+
 class Workspace:
     """Reusable uint8 buffers keyed by (name, bucket key).
 
@@ -277,10 +347,15 @@ class Workspace:
     finished, and on CUDA after the previous one's kernels, through its Future's events).
     """
 
-    __slots__ = ("buffers",)
+    __slots__ = ("buffers", "links")
 
     def __init__(self) -> None:
         self.buffers: dict[tuple, torch.Tensor] = {}
+        self.links: dict[object, LinkRate] = {}
+
+    def link(self, key) -> LinkRate:
+        """The bucket's LinkRate (its gloo all-gathers' measured and agreed rate)."""
+        return self.links.setdefault(key, LinkRate())
 
     def get(self, name: str, key, nbytes: int, device) -> torch.Tensor:
         buf = self.buffers.get((name, key))
@@ -334,6 +409,10 @@ class ReduceContext:
         if self.workspace is None:
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
         return self.workspace.get(name, self.key, nbytes, device)
+
+    def link(self) -> LinkRate | None:
+        """This bucket's LinkRate: the workspace's, or None (one-off calls measure nothing)."""
+        return None if self.workspace is None else self.workspace.link(self.key)
 
     def residual(self, kind: str, numel: int, device) -> torch.Tensor:
         if self.memory is None:

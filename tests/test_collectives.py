@@ -26,7 +26,7 @@ import ddpcomm.ops as ops
 import ddpcomm.reference as ref
 from ddpcomm import collectives, compressors
 from ddpcomm.compressors import RandomK, TopK, dense_bytes
-from ddpcomm.context import ReduceContext, ResidualMemory
+from ddpcomm.context import LinkRate, ReduceContext, ResidualMemory, Workspace
 from tests.collective_utils import (
     ALGORITHMS,
     BLOCK,
@@ -280,6 +280,49 @@ class ForceSparse(TopK):
         return False
 
 
+def check_link_pieces(r: Rank, c) -> None:
+    # With a Workspace the gloo pieces follow the payload rate the ranks agreed on: ranks
+    # that measured different rates all take the slowest one's pieces, from the same call
+    # on, and every call still gives reference.py's bits. The rates are set, not measured
+    # (rank 0 measures 5 units per second, the others 3; a unit is a 41st of the payload,
+    # and a piece carries one second of wire), and the call counts are LinkRate's.
+    if isinstance(c, TopK):
+        c = ForceSparse(c.ratio, error_feedback=c.error_feedback)
+    n = 40 * BLOCK + 3 if isinstance(c, compressors.Quantizer) else 41 * 200
+    x, key = rank_input(r.rank, n), 3
+    want = pieces_reference(r, c, x, key=key)
+    payload = payload_bytes(c, n)
+    unit = payload // 41
+    records = 41 if isinstance(c, compressors.Quantizer) else payload
+    limits = ("_GLOO_PIECE_BYTES", "_GLOO_MIN_PIECE_BYTES", "_LINK_PIECE_SECONDS")
+    saved = [getattr(collectives, name) for name in limits], LinkRate.start
+    rate = float((5 - 2 * min(r.rank, 1)) * unit)
+
+    def start(link, *args):
+        saved[1](link, *args)
+        link._best = rate
+
+    for name, value in zip(limits, (payload, 1, 1.0), strict=True):
+        setattr(collectives, name, value)
+    LinkRate.start = start
+    workspace, counts = Workspace(), []
+    try:
+        for _ in range(LinkRate.FIRST + 2):
+            ctx = ReduceContext(
+                group=r.group, memory=ResidualMemory(), key=key, workspace=workspace
+            )
+            got = collectives.all_reduce_mean(r.put(x), c, ctx).wait().cpu()
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+            counts.append(workspace.link(key).pieces)
+    finally:
+        for name, value in zip(limits, saved[0], strict=True):
+            setattr(collectives, name, value)
+        LinkRate.start = saved[1]
+    slowest = (5 - 2 * min(r.world - 1, 1)) * unit
+    assert counts == [1] * LinkRate.FIRST + [min(records, payload // slowest)] * 2, counts
+    assert_same_on_every_rank(torch.tensor(counts), r.world)
+
+
 def check_dense_switch(r: Rank, c) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         x = rank_input(r.rank, N).to(dtype)
@@ -392,6 +435,7 @@ CHECKS = [
     ("empty_and_tiny", METHODS, check_empty_and_tiny),
     ("ratio_one", {m: METHODS[m] for m in SPARSE}, check_ratio_one),
     ("pieces", PIECES, check_pieces),
+    ("link_pieces", {m: PIECES[m] for m in ("q8", "topk")}, check_link_pieces),
     ("dense_switch", {"topk:0.6": ("topk:0.6", dict(error_feedback=False))}, check_dense_switch),
     ("wrapper", {m: METHODS[m] for m in SPARSE}, check_wrapper),
 ]
@@ -458,6 +502,40 @@ def test_ratio_one_is_the_plain_all_reduce(groups, method, world, device):
 @pytest.mark.parametrize("method", PIECES)
 def test_pieces_give_the_reference_bits(groups, method, world, device):
     groups.values(world, device, "pieces", method)
+
+
+def test_link_rate_counts_only_time_on_the_wire(monkeypatch):
+    """A piece is on the wire from the later of its issue and the previous landing until
+    it lands: queued pieces count once, time before an issue (compressing) not at all, and
+    the best call since the last agreement is the rank's rate."""
+    link, now = LinkRate(), [0.0]
+    monkeypatch.setattr("ddpcomm.context.time.perf_counter", lambda: now[0])
+
+    def call(payload, events):
+        link.start(payload, len(events) // 2)
+        for t, kind, i in sorted(events):
+            now[0] = t
+            (link.issued if kind == "issued" else link.landed)(i)
+
+    # Wire-bound: three pieces queued behind each other, 3 s on the wire: 100 bytes/s.
+    call(300, [(0, "issued", 0), (0.5, "issued", 1), (1, "issued", 2)]
+         + [(1, "landed", 0), (2, "landed", 1), (3, "landed", 2)])  # fmt: skip
+    link.start(0, 0)
+    assert link._best == 100.0
+    # Compute-bound: 4 s of compressing between two 1 s pieces: 200 bytes/s, not 400/6.
+    call(400, [(10, "issued", 0), (11, "landed", 0), (15, "issued", 1), (16, "landed", 1)])
+    link.start(0, 0)
+    assert link._best == 200.0
+    # A slower call (50 bytes/s) leaves the best one.
+    call(100, [(20, "issued", 0), (22, "landed", 0)])
+    link.start(0, 0)
+    assert link._best == 200.0
+
+
+@per_group
+@pytest.mark.parametrize("method", ["q8", "topk"])
+def test_pieces_follow_the_agreed_link_rate(groups, method, world, device):
+    groups.values(world, device, "link_pieces", method)
 
 
 @per_group

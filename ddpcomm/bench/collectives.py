@@ -78,7 +78,13 @@ def add_parser(sub) -> None:
         default=5,
         help="timed calls per case; the median is reported (default 5)",
     )
-    p.add_argument("--warmup", type=int, default=1, help="untimed calls per case (default 1)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=5,
+        help="untimed calls per case (default 5: a bucket's gloo pieces follow the link "
+        "from its 5th call)",
+    )
     p.add_argument(
         "--timeout", type=float, help="seconds a case may take (default: from size and link rate)"
     )
