@@ -140,8 +140,8 @@ def _cast(flat: torch.Tensor, c: CastCompression, ctx: ReduceContext) -> Future:
 # 64 MiB took 21.6 ms in 2 MiB pieces and 28.6 in 512 KiB ones (medians, same runs). So a
 # bucket with a Workspace sizes its pieces from the payload rate the ranks measured and
 # agreed on (context.LinkRate): about _LINK_PIECE_SECONDS of wire each, between
-# _GLOO_MIN_PIECE_BYTES and _GLOO_PIECE_BYTES. At 1 Gbit/s that is ~470 KB; loopback and
-# 10 Gbit/s stay at 2 MiB.
+# _GLOO_MIN_PIECE_BYTES and _GLOO_PIECE_BYTES. At 1 Gbit/s (110-130 MB/s agreed) that is
+# 512 KiB; on loopback q8 and q4 agreed on 590-2100 MB/s: 2 MiB, or nearly.
 _GLOO_PIECE_BYTES = 2 << 20
 _GLOO_MIN_PIECE_BYTES = 512 << 10
 _GLOO_PIECE_BUCKET_BYTES = 16 << 20

@@ -277,15 +277,16 @@ class LinkRate:
     Each call records when each piece was issued and when it landed (``issued``,
     ``landed``). A piece was on the wire from the later of its issue and the previous
     landing until its own landing, so the payload over the sum of those spans is the rate
-    of the wire alone: pieces issued slower than they travel (a fast link, the time spent
+    of the wire: pieces issued slower than they travel (a fast link, the time spent
     compressing) do not make the link look slow. A rank's rate is the best of its calls
-    since the last agreement: a call slowed by something else (a cold first call, a busy
-    CPU) does not make the link look slow either. At fixed call counts (the ``FIRST``th,
-    then every ``EVERY`` more), after its pieces, a call sends that rate to a MIN
-    all_reduce of 8 bytes (``sent``), and the next call reads the result (``agreed``). Every rank
-    issues that all_reduce at the same call and reads it at the same call, so all of them
-    see the same slowest-rank rate, and whatever is derived from it (the piece size) is
-    the same everywhere.
+    since the last agreement, so a call slowed by something else (a cold first call, a
+    busy CPU) does not either. At fixed call counts (the ``FIRST``th, then every ``EVERY``
+    more), after its pieces, a call sends that rate to a MAX all_reduce of 8 bytes
+    (``sent``), and the next call reads the result (``agreed``). MAX, because a piece lands
+    only once every rank has sent it: a rank that issued early also timed its wait for the
+    others, and the last to issue timed the least of it. Every rank issues that all_reduce
+    at the same call and reads it at the same call, so all of them see the same rate, and
+    whatever is derived from it (the piece size) is the same everywhere.
     """
 
     __slots__ = ("calls", "_payload", "_issued", "_landed", "_best", "_pending", "_agreed")
@@ -296,8 +297,8 @@ class LinkRate:
         self.calls = 0  # all-gathers of this bucket so far
         self._payload, self._issued, self._landed = 0, [], []
         self._best = 0.0  # payload bytes per second on the wire, best call since agreeing
-        self._pending = None  # (work, tensor) of the MIN all_reduce in flight
-        self._agreed = math.inf  # slowest rank's rate; inf: none agreed yet
+        self._pending = None  # (work, tensor) of the MAX all_reduce in flight
+        self._agreed = math.inf  # the agreed rate; inf: none agreed yet
 
     @property
     def pieces(self) -> int:
@@ -305,7 +306,7 @@ class LinkRate:
         return len(self._issued)
 
     def agreed(self) -> float:
-        """The slowest rank's payload rate (bytes/s) as of the last agreement, or inf."""
+        """The agreed payload rate (bytes/s) as of the last agreement, or inf."""
         if self._pending is not None:
             work, rate = self._pending
             work.wait()
@@ -330,12 +331,12 @@ class LinkRate:
         self._landed[i] = time.perf_counter()
 
     def sent(self, pg: dist.ProcessGroup) -> None:
-        """After the last piece is issued: at an agreement call, the MIN all_reduce."""
+        """After the last piece is issued: at an agreement call, the MAX all_reduce."""
         self.calls += 1
         if self.calls >= self.FIRST and (self.calls - self.FIRST) % self.EVERY == 0:
             rate = torch.tensor([self._best or math.inf], dtype=torch.float64)
             self._best = 0.0
-            work = dist.all_reduce(rate, op=dist.ReduceOp.MIN, group=pg, async_op=True)
+            work = dist.all_reduce(rate, op=dist.ReduceOp.MAX, group=pg, async_op=True)
             self._pending = (work, rate)
 
 

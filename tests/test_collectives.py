@@ -282,9 +282,9 @@ class ForceSparse(TopK):
 
 def check_link_pieces(r: Rank, c) -> None:
     # With a Workspace the gloo pieces follow the payload rate the ranks agreed on: ranks
-    # that measured different rates all take the slowest one's pieces, from the same call
+    # that measured different rates all take the fastest one's pieces, from the same call
     # on, and every call still gives reference.py's bits. The rates are set, not measured
-    # (rank 0 measures 5 units per second, the others 3; a unit is a 41st of the payload,
+    # (rank 0 measures 3 units per second, the others 5; a unit is a 41st of the payload,
     # and a piece carries one second of wire), and the call counts are LinkRate's.
     if isinstance(c, TopK):
         c = ForceSparse(c.ratio, error_feedback=c.error_feedback)
@@ -296,7 +296,7 @@ def check_link_pieces(r: Rank, c) -> None:
     records = 41 if isinstance(c, compressors.Quantizer) else payload
     limits = ("_GLOO_PIECE_BYTES", "_GLOO_MIN_PIECE_BYTES", "_LINK_PIECE_SECONDS")
     saved = [getattr(collectives, name) for name in limits], LinkRate.start
-    rate = float((5 - 2 * min(r.rank, 1)) * unit)
+    rate = float((3 + 2 * min(r.rank, 1)) * unit)
 
     def start(link, *args):
         saved[1](link, *args)
@@ -318,8 +318,8 @@ def check_link_pieces(r: Rank, c) -> None:
         for name, value in zip(limits, saved[0], strict=True):
             setattr(collectives, name, value)
         LinkRate.start = saved[1]
-    slowest = (5 - 2 * min(r.world - 1, 1)) * unit
-    assert counts == [1] * LinkRate.FIRST + [min(records, payload // slowest)] * 2, counts
+    fastest = (3 + 2 * min(r.world - 1, 1)) * unit
+    assert counts == [1] * LinkRate.FIRST + [min(records, payload // fastest)] * 2, counts
     assert_same_on_every_rank(torch.tensor(counts), r.world)
 
 
