@@ -343,6 +343,21 @@ def test_real_clock_ddp_training_stays_identical_across_ranks():
     assert r0["decisions"] == r1["decisions"] and r0["decisions"]
 
 
+def test_a_step_with_a_failed_bucket_is_not_timed():
+    """A step's buckets are checked once they have completed: one that failed leaves the
+    step untimed, and a step is not timed before all of them have completed."""
+    ok, bad, pending = torch.futures.Future(), torch.futures.Future(), torch.futures.Future()
+    ok.set_result(torch.zeros(1))
+    bad.set_exception(RuntimeError("collective failed"))
+    step = adaptive._Step(5, adaptive.BASE, 0.0)
+    step.futures = [ok, pending]
+    assert step.failed() is None
+    pending.set_result(torch.zeros(1))
+    assert step.failed() is False
+    step.futures = [ok, bad]
+    assert step.failed() is True
+
+
 def test_ranks_disagreeing_on_adaptive_fail_with_a_clear_error():
     for message in per_rank("mismatch"):
         assert "adaptive" in message and "disagree" in message
