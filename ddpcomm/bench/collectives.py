@@ -11,6 +11,7 @@ reduction alone, not backward compute overlapped with it.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 
@@ -32,6 +33,10 @@ speedup over plain all_reduce and the limit of that speedup from bytes alone.
 A method followed by ',adaptive' (q8,adaptive) makes 9 untimed calls first, in which
 adaptive pass-through times the plain and the compressed path and decides; its row says
 which path the decision took ('-> plain', '-> compressed') and its bytes are those sent.
+Its case also times plain all_reduce and the fixed method (q8): after each has made its
+untimed calls alone, the three take turns call by call, each first in turn. Its speedup
+and the summary under the table compare it with those two, timed under the same load,
+not with their own rows.
 
 --link RATE gives each rank its own network namespace joined by links shaped to RATE
 with tc tbf (needs root; without it the run falls back to loopback and says so)."""
@@ -76,7 +81,8 @@ def add_parser(sub) -> None:
         "--iters",
         type=int,
         default=5,
-        help="timed calls per case; the median is reported (default 5)",
+        help="timed calls per case, times 16 MiB / size (at most 8) below 16 MiB, whose "
+        "calls take milliseconds and vary by several; the median is reported (default 5)",
     )
     p.add_argument(
         "--warmup",
@@ -136,8 +142,8 @@ def run(args) -> int:
         def timeout(case) -> float:
             # 10x a plain all_reduce's wire time per call (100 MB/s on loopback), + slack.
             calls = case["iters"] + case["warmup"] + 3
-            if ",adaptive" in case["row"]["method"]:
-                calls += adaptive.first_decision()
+            if ",adaptive" in case["row"]["method"]:  # + plain and the fixed method
+                calls = 3 * calls + adaptive.first_decision()
             return args.timeout or 60 + 10 * calls * 8 * case["row"]["numel"] / (rate or 100e6)
 
         common = {"link_check_mb": 8 if args.quick else 64}
@@ -177,7 +183,7 @@ def _cases(args, world: int) -> list[dict]:
                     "label": label,
                     "row": row,
                     "shapes": shapes,
-                    "iters": args.iters,
+                    "iters": args.iters * min(8, max(1, int(16 / size))),
                     "warmup": args.warmup,
                 }
             )
@@ -245,32 +251,60 @@ def make_grad(shapes, rank: int, seed: int, device) -> torch.Tensor:
 _exact: dict = {}  # rank 0's exact mean of the current size (up to 256 MiB: one at a time)
 
 
+def _reduce(hook, state, activation, bucket):
+    return hook(state, bucket).wait()
+
+
 def run_case(case: dict, common: dict, device: torch.device) -> dict:
-    """One method at one size on every rank: warm-up calls, then timed calls."""
+    """One method at one size on every rank: untimed calls, then timed calls. An adaptive
+    method's case also times plain all_reduce and its fixed method, taking turns with it
+    call by call, so that the three are compared under the same load."""
     rank, world = dist.get_rank(), dist.get_world_size()
     shapes, seed, result = [tuple(s) for s in case["shapes"]], 1234, dict(case["row"])
-    hook, state, activation = _methods.make_hook(result["method"], dist.group.WORLD, False)
     grad = make_grad(shapes, rank, seed, device)
-    bucket = _Bucket(grad.clone(), shapes)
-    stats = getattr(state, "stats", None)
-    times, out = [], None
-    for i in range(activation + case["warmup"] + case["iters"]):
-        if i == activation + case["warmup"]:  # counters start at the first timed call
-            tx0, st0 = _ranks.tx_bytes(common.get("ifname")), stats and stats()
-        bucket.buffer().copy_(grad)  # hooks write the mean into the bucket in place
-        dist.barrier()
-        value, seconds = wall(lambda: hook(state, bucket).wait(), device)
-        out = value[0] if isinstance(value, (list, tuple)) else value
-        times.append(seconds)
-    dist.barrier()  # every rank's last send has left before the counters are read
-    tx1 = _ranks.tx_bytes(common.get("ifname"))
+    methods = [result["method"]]
+    if methods[0].endswith(",adaptive"):
+        methods += ["allreduce", methods[0].removesuffix(",adaptive")]
+    runs = [
+        (*_methods.make_hook(m, dist.group.WORLD, False), _Bucket(grad.clone(), shapes))
+        for m in methods
+    ]
+    # Untimed calls one method after another: an adaptive state times whole steps (here,
+    # from one of its calls to the next), so its decision is made with no other calls
+    # in between. The timed calls then take turns, each first in turn.
+    for run in runs:
+        for _ in range(run[2] + case["warmup"]):
+            run[3].buffer().copy_(grad)  # hooks write the mean into the bucket in place
+            dist.barrier()
+            _reduce(*run)
+    stats = getattr(runs[0][1], "stats", None)
+    st0, times, wire, out = stats and stats(), [[] for _ in runs], 0, None
+    for i in range(case["iters"]):
+        for j in range(len(runs)):
+            j = (i + j) % len(runs)
+            runs[j][3].buffer().copy_(grad)
+            dist.barrier()
+            tx0 = _ranks.tx_bytes(common.get("ifname"))
+            value, seconds = wall(functools.partial(_reduce, *runs[j]), device)
+            times[j].append(seconds)
+            if j == 0:
+                out = value[0] if isinstance(value, (list, tuple)) else value
+                dist.barrier()  # every rank's sends of this call have left
+                if tx0 is not None:
+                    wire += _ranks.tx_bytes(common.get("ifname")) - tx0
     # The slowest rank's time per call is the collective's time.
     every = [None] * world
-    dist.all_gather_object(every, times[-case["iters"] :])
-    per_call = [max(ts[i] for ts in every) for i in range(case["iters"])]
-    result.update(median_s=statistics.median(per_call), times_s=per_call)
-    if tx1 is not None:
-        result["wire_bytes"] = (tx1 - tx0) / case["iters"]
+    dist.all_gather_object(every, times)
+    medians = []
+    for j in range(len(runs)):
+        per_call = [max(ts[j][i] for ts in every) for i in range(case["iters"])]
+        medians.append(statistics.median(per_call))
+        if j == 0:
+            result.update(median_s=medians[0], times_s=per_call)
+    if len(runs) > 1:
+        result.update(plain_s=medians[1], fixed_s=medians[2])
+    if _ranks.tx_bytes(common.get("ifname")) is not None:
+        result["wire_bytes"] = wire / case["iters"]
     if stats:  # ddpcomm's own accounting, per call
         st1 = stats()
         result["measured_bytes"] = (st1["bytes_sent"] - st0["bytes_sent"]) / case["iters"]
@@ -342,7 +376,9 @@ def report(result: dict, markdown: bool = False) -> str:
                 _mb(sent),
                 _mb(r["wire_bytes"]) if "wire_bytes" in r else "-",
                 f"{r['rel_error']:.1e}" if "rel_error" in r else "-",
-                f"{base['median_s'] / r['median_s']:.2f}x" if ok and base else "-",
+                f"{r.get('plain_s', base and base['median_s']) / r['median_s']:.2f}x"
+                if ok and (base or "plain_s" in r)
+                else "-",
                 f"{plain_bytes / sent:.1f}x" if sent else "-",
                 status if ok else f"{r['status']}: {short(r.get('reason', ''))}",
             ]
@@ -354,8 +390,9 @@ def report(result: dict, markdown: bool = False) -> str:
 
 
 def _adaptive_summary(rows: list[dict], plain: dict) -> list[str]:
-    """How each adaptive row's decision and time compare with plain and its fixed method
-    measured in the same run (a path within 5% of the other counts as either)."""
+    """How each adaptive row's decision and time compare with plain and its fixed method,
+    timed call by call with it in its case (in results from before that: their own rows);
+    a path within 5% of the other counts as either."""
     done = {(r["world"], r["size_mib"], r["method"]): r for r in rows if r["status"] == "ok"}
     found = {"cells": 0, "faster": 0, "slower": 0, "tie": 0, "over_plain": 0, "over_best": 0}
     for (world, size, method), r in done.items():
@@ -363,7 +400,8 @@ def _adaptive_summary(rows: list[dict], plain: dict) -> list[str]:
         base = plain.get((world, size))
         if not method.endswith(",adaptive") or fixed is None or base is None:
             continue
-        t_plain, t_fixed, t = base["median_s"], fixed["median_s"], r["median_s"]
+        t = r["median_s"]
+        t_plain, t_fixed = r.get("plain_s", base["median_s"]), r.get("fixed_s", fixed["median_s"])
         found["cells"] += 1
         if abs(t_plain - t_fixed) <= 0.05 * min(t_plain, t_fixed):
             found["tie"] += 1
@@ -379,8 +417,8 @@ def _adaptive_summary(rows: list[dict], plain: dict) -> list[str]:
         f"adaptive, {found['cells']} cells: took the faster of plain and its method in "
         f"{found['faster']}, the slower in {found['slower']}, either (within 5%) in "
         f"{found['tie']}; ran more than 3% slower than plain in {found['over_plain']} and "
-        f"more than 5% slower than the faster in {found['over_best']} (each row is timed "
-        "apart from the others: the same path measured twice differs too)",
+        f"more than 5% slower than the faster in {found['over_best']} (each against plain "
+        "and its method timed call by call with it)",
     ]
 
 
