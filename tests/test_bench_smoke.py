@@ -114,6 +114,8 @@ def test_collectives_quick(cwd, tmp_path):
     for r in rows.values():
         assert r["status"] == "ok" and r["ranks_identical"], r
         assert r["median_s"] > 0 and len(r["times_s"]) == 2
+    # The adaptive row timed plain and q8 in turn with it.
+    assert rows["q8,adaptive"]["plain_s"] > 0 and rows["q8,adaptive"]["fixed_s"] > 0
     n = rows["q8"]["numel"]
     assert n == 2**20 // 4
     # ddpcomm's own count of bytes handed to collectives equals the table's formula.

@@ -183,7 +183,7 @@ def _cases(args, world: int) -> list[dict]:
                     "label": label,
                     "row": row,
                     "shapes": shapes,
-                    "iters": args.iters * min(8, max(1, int(16 / size))),
+                    "iters": args.iters * (1 if args.quick else min(8, max(1, int(16 / size)))),
                     "warmup": args.warmup,
                 }
             )
