@@ -33,7 +33,14 @@ from ddpcomm.compressors import (
     ramp_stages,
     take_state_options,
 )
-from ddpcomm.context import ReduceContext, ResidualMemory, Stats, Workspace, then
+from ddpcomm.context import (
+    ReduceContext,
+    ResidualMemory,
+    Stats,
+    Workspace,
+    set_from_python,
+    then,
+)
 from ddpcomm.layout import LayoutTracker, Reformer
 
 
@@ -434,8 +441,9 @@ def _hook(state: CompressionState, bucket: dist.GradBucket, hook: str) -> torch.
         state._reformer = None  # DDP has its own layout from now on
         state._unchecked = False
     # DDP's reducer reads the Future from C++: an error must be a C++-level one (raised in
-    # a callback), or it reaches the user as "Unable to cast <message> to Tensor".
-    return then(fut, _value)
+    # a callback), or it reaches the user as "Unable to cast <message> to Tensor". A
+    # collective's Future and a ``then``'s already are; one completed from Python is not.
+    return then(fut, _value) if set_from_python(fut) else fut
 
 
 def _value(fut: torch.futures.Future):
