@@ -109,9 +109,9 @@ bench-net: all
 ADAPTIVE_METHODS = allreduce,q8,q8,adaptive,q4,q4,adaptive,q2,q2,adaptive,q1,q1,adaptive,topk:0.01,topk:0.01,adaptive,randk:0.01,randk:0.01,adaptive
 .PHONY: bench-adaptive
 bench-adaptive: all
-	$(PY) -m ddpcomm.bench collectives --world 2,4 --sizes 1,16,64 --methods $(ADAPTIVE_METHODS) --iters 7 --out benchmarks/collectives_adaptive_loopback.json > benchmarks/collectives_adaptive_loopback.txt
-	$(PY) -m ddpcomm.bench collectives --link 10gbit --world 2,4 --sizes 1,16,64 --methods $(ADAPTIVE_METHODS) --iters 7 --out benchmarks/collectives_adaptive_10gbit.json > benchmarks/collectives_adaptive_10gbit.txt
-	$(PY) -m ddpcomm.bench collectives --link 1gbit --world 2,4 --sizes 1,16,64 --methods $(ADAPTIVE_METHODS) --iters 7 --out benchmarks/collectives_adaptive_1gbit.json > benchmarks/collectives_adaptive_1gbit.txt
+	$(PY) -m ddpcomm.bench collectives --world 2,4 --sizes 1,16,64 --methods $(ADAPTIVE_METHODS) --iters 15 --out benchmarks/collectives_adaptive_loopback.json > benchmarks/collectives_adaptive_loopback.txt
+	$(PY) -m ddpcomm.bench collectives --link 10gbit --world 2,4 --sizes 1,16,64 --methods $(ADAPTIVE_METHODS) --iters 15 --out benchmarks/collectives_adaptive_10gbit.json > benchmarks/collectives_adaptive_10gbit.txt
+	$(PY) -m ddpcomm.bench collectives --link 1gbit --world 2,4 --sizes 1,16,64 --methods $(ADAPTIVE_METHODS) --iters 15 --out benchmarks/collectives_adaptive_1gbit.json > benchmarks/collectives_adaptive_1gbit.txt
 	$(PY) -m ddpcomm.bench train --warmup-steps 40 --methods ddp,q8,q8,adaptive --out benchmarks/train_adaptive_loopback.json > benchmarks/train_adaptive_loopback.txt
 	$(PY) -m ddpcomm.bench train --link 1gbit --warmup-steps 40 --methods ddp,q8,q8,adaptive --out benchmarks/train_adaptive_1gbit.json > benchmarks/train_adaptive_1gbit.txt
 
