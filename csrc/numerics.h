@@ -104,6 +104,10 @@ DDPC_HD int max_level(int bits) { return (1 << (bits - 1)) - 1; }
 
 DDPC_HD bool is_finite(float x) { return x - x == 0.0f; }
 
+// 1 for Inf and NaN (exponent all ones), else 0: an integer test, for OR-reductions that
+// compilers vectorize.
+DDPC_HD uint32_t non_finite(float x) { return (float_bits(x) & 0x7F800000u) == 0x7F800000u; }
+
 // The float stored in a block record is the block's magnitude m:
 //   b >= 4 and stochastic 1-, 2-bit: m = max |x| (quantization step m / L);
 //   deterministic 1-bit:            m = mean |x| over the block's valid elements;
