@@ -200,8 +200,8 @@ class Adaptive:
             record.untimed = True
             raise
         # Checked once the step has ended (_resolve), not by a callback: a callback is one
-        # more hop on the bucket's way back to DDP, and on a 1 MiB plain bucket that hop
-        # alone costs 2% of the all_reduce.
+        # more hop on the bucket's way back to DDP (about 40 us: 6% of a 1 MiB plain
+        # all_reduce between two local ranks).
         record.futures.append(fut)
         return fut
 

@@ -90,7 +90,8 @@ def _drain() -> None:
 # device_future. An exception set from Python is kept as the value, which a C++ reader
 # such as DDP's reducer then fails to cast to a Tensor; the hooks turn such errors into
 # C++-level ones by returning a ``then`` of these Futures (and only of these: each ``then``
-# is one more hop on the gloo worker thread, about 40 us on a 1 MiB bucket here).
+# is one more hop on the gloo worker thread: about 40 us, 6% of a 1 MiB plain all_reduce
+# between two local ranks).
 _SET_FROM_PYTHON: weakref.WeakSet = weakref.WeakSet()
 
 
