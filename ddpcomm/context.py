@@ -322,6 +322,12 @@ class LinkRate:
         """Pieces of the last call."""
         return len(self._issued)
 
+    def as_dict(self) -> dict:
+        """The last call's piece count and the rate in force, in MB/s (None before the
+        first agreement), without waiting for an agreement in flight."""
+        rate = None if math.isinf(self._agreed) else self._agreed / 1e6
+        return {"pieces": self.pieces, "agreed_MB_per_s": rate}
+
     def agreed(self) -> float:
         """The agreed payload rate (bytes/s) as of the last agreement, or inf."""
         if self._pending is not None:

@@ -159,9 +159,12 @@ class CompressionState:
 
     def stats(self) -> dict:
         """Bytes handed to collectives, the plain all_reduce equivalent, compression time,
-        and how many buckets took each path."""
+        how many buckets took each path, and on gloo each bucket's all-gather pieces and
+        the link rate they follow."""
         d = self._stats.as_dict()
         d["iteration"] = self.iteration
+        if self.workspace.links:  # gloo all-gathers: each bucket's pieces and link rate
+            d["gloo_pieces"] = {k: link.as_dict() for k, link in self.workspace.links.items()}
         if self.adaptive is not None:
             d["adaptive"] = self.adaptive.stats(self.start_iter)
         return d

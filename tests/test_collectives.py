@@ -320,6 +320,10 @@ def check_link_pieces(r: Rank, c) -> None:
         LinkRate.start = saved[1]
     fastest = (3 + 2 * min(r.world - 1, 1)) * unit
     assert counts == [1] * LinkRate.FIRST + [min(records, payload // fastest)] * 2, counts
+    assert workspace.link(key).as_dict() == {
+        "pieces": counts[-1],
+        "agreed_MB_per_s": fastest / 1e6,
+    }
     assert_same_on_every_rank(torch.tensor(counts), r.world)
 
 

@@ -157,6 +157,14 @@ def check_many_small_buckets(rank, world, make_state):
         opt.step()
     assert state.stats()["paths"][compressed_path(state, world)] >= 6 * 10
     assert identical_across_ranks(flat_params(model), world)
+    # Buckets all-gathered on gloo report their pieces and the link rate the ranks agreed
+    # on after their 4th call: the same on every rank.
+    pieces = state.stats().get("gloo_pieces", {})
+    if compressed_path(state, world) == "topk_all_gather":
+        assert len(pieces) >= 10, pieces
+    rows = [[p["pieces"], p["agreed_MB_per_s"] or -1.0] for _, p in sorted(pieces.items())]
+    assert all(n >= 1 and rate > 0 for n, rate in rows), pieces
+    assert identical_across_ranks(torch.tensor(rows, dtype=torch.float64), world)
 
 
 OPTIONS = {
