@@ -30,7 +30,7 @@ the slowest rank, the bytes a rank sends (from the method's wire format) and, wi
 --link, the bytes its interface really sent, the error against the exact mean, the
 speedup over plain all_reduce and the limit of that speedup from bytes alone.
 
-A method followed by ',adaptive' (q8,adaptive) makes 9 untimed calls first, in which
+A method followed by ',adaptive' (q8,adaptive) makes untimed calls first, in which
 adaptive pass-through times the plain and the compressed path and decides; its row says
 which path the decision took ('-> plain', '-> compressed') and its bytes are those sent.
 Its case also times plain all_reduce and the fixed method (q8): after each has made its
@@ -277,21 +277,21 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
             run[3].buffer().copy_(grad)  # hooks write the mean into the bucket in place
             dist.barrier()
             _reduce(*run)
-    stats = getattr(runs[0][1], "stats", None)
+    stats, ifname = getattr(runs[0][1], "stats", None), common.get("ifname")
     st0, times, wire, out = stats and stats(), [[] for _ in runs], 0, None
     for i in range(case["iters"]):
         for j in range(len(runs)):
             j = (i + j) % len(runs)
             runs[j][3].buffer().copy_(grad)
             dist.barrier()
-            tx0 = _ranks.tx_bytes(common.get("ifname"))
+            tx0 = _ranks.tx_bytes(ifname) if j == 0 else None
             value, seconds = wall(functools.partial(_reduce, *runs[j]), device)
             times[j].append(seconds)
             if j == 0:
                 out = value[0] if isinstance(value, (list, tuple)) else value
                 dist.barrier()  # every rank's sends of this call have left
                 if tx0 is not None:
-                    wire += _ranks.tx_bytes(common.get("ifname")) - tx0
+                    wire += _ranks.tx_bytes(ifname) - tx0
     # The slowest rank's time per call is the collective's time.
     every = [None] * world
     dist.all_gather_object(every, times)
@@ -303,7 +303,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
             result.update(median_s=medians[0], times_s=per_call)
     if len(runs) > 1:
         result.update(plain_s=medians[1], fixed_s=medians[2])
-    if _ranks.tx_bytes(common.get("ifname")) is not None:
+    if ifname:
         result["wire_bytes"] = wire / case["iters"]
     if stats:  # ddpcomm's own accounting, per call
         st1 = stats()
