@@ -56,7 +56,8 @@ import torch.distributed as dist
 
 from ddpcomm import agreement, collectives
 from ddpcomm.compressors import Compressor, check_int
-from ddpcomm.context import Future, ReduceContext
+from ddpcomm.context import ReduceContext
+from ddpcomm.futures import Future
 
 PLAIN, COMPRESSED = "plain", "compressed"
 WARMUP_STEPS = 2  # step 0 plain, step 1 compressed: first calls, never timed

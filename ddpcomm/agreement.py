@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from ddpcomm.context import group_timeout
+from ddpcomm.groups import group_timeout
 
 TIMEOUT_ENV = "DDPCOMM_AGREEMENT_TIMEOUT"
 DEFAULT_TIMEOUT = 10.0

@@ -4,7 +4,8 @@
 of the compressor's method and returns a ``torch.futures.Future`` of the mean over ranks,
 in ``flat``'s dtype, bitwise the same on every rank. Nothing here knows about DDP: hooks.py
 adapts buckets to it. The bookkeeping every algorithm shares (residuals, reused buffers,
-stats, the collective-order sequencer, CUDA-safe futures) lives in context.py.
+stats) lives in context.py, the Futures and their CUDA ordering in futures.py, the
+collective-order sequencer in groups.py.
 
 On CUDA, kernels run on the current stream, collectives order themselves against it, and
 every Future returned is the collective's own, a ``then`` of one, or a device Future: DDP's
@@ -31,17 +32,9 @@ from ddpcomm.compressors import (
     TopK,
     dense_bytes,
 )
-from ddpcomm.context import (
-    Future,
-    ReduceContext,
-    all_gather_single,
-    completed,
-    device_future,
-    fingerprint,
-    join,
-    sequencer,
-    then,
-)
+from ddpcomm.context import ReduceContext, fingerprint
+from ddpcomm.futures import Future, completed, device_future, join, then
+from ddpcomm.groups import all_gather_single, sequencer
 
 
 def all_reduce_mean(flat: torch.Tensor, compressor: Compressor, ctx: ReduceContext) -> Future:

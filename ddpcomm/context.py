@@ -1,4 +1,4 @@
-"""What the all-reduce algorithms keep between calls, and the futures they hand back.
+"""What the all-reduce algorithms keep between calls.
 
 ``collectives.py`` holds the algorithms; this module holds their bookkeeping, so the
 algorithms read top-down:
@@ -10,177 +10,23 @@ algorithms read top-down:
   ``LinkRate``: the rate its gloo all-gathers measured, agreed across ranks.
 - ``ReduceContext``: one call's group, bucket key, step and the three above.
 - ``verify_config``: ranks that disagree on the method fail on every rank, not hang.
-- ``Sequencer``: second-phase collectives issued in one order on every rank.
-- ``device_future`` and ``Latch``: Futures that carry CUDA results correctly.
-- ``then``: every callback ddpcomm attaches to a Future, drained at interpreter exit.
 
-CUDA futures. A ``torch.futures.Future`` created with ``devices=[cuda device]`` records an
-event on the current stream when it is completed, and whoever waits on it (DDP's reducer,
-a ``then`` callback) waits for that event, i.e. for the kernels that produced its value. A
-device-less Future records nothing: its waiter would read the result before the kernels
-wrote it. Every Future here that carries a CUDA tensor is the collective's own future, a
-``then`` of one, or made by ``device_future``.
+Futures live in ``futures.py``, process-group ordering in ``groups.py``.
 """
 
 from __future__ import annotations
 
-import atexit
-import datetime
 import hashlib
 import math
 import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-Future = torch.futures.Future
-
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single; older releases have only
-# the former. Same collective either way.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-# --------------------------------------------------------------------------------------
-# Futures
-# --------------------------------------------------------------------------------------
-
-
-# Every callback ddpcomm hands to a torch Future, until torch frees it. On gloo, torch runs
-# callbacks on the group's worker thread; after the last one has completed the Future a
-# training step waits on, that thread still takes the GIL to free the callbacks, their
-# Futures and the finished collective's tensors. If the interpreter is finalizing by then,
-# the thread is killed inside a destructor and the process aborts ("terminate called
-# without an active exception"): a 2-rank torchrun script ending right after its last
-# step did so in 1-2 runs of 40. So at exit, before finalizing, ddpcomm waits (GIL
-# released) for its callbacks to be freed, then a moment more for the collectives that
-# follow them; with that, 0 runs of 80 aborted.
-_CALLBACKS: weakref.WeakSet = weakref.WeakSet()
-_EXIT_WAIT = 2.0  # seconds exit waits at most, for collectives that never finished
-_EXIT_GRACE = 0.05  # seconds more, for the worker to free each finished collective
-_used_callbacks = False
-
-
-def then(fut: Future, fn: Callable[[Future], object]) -> Future:
-    """``fut.then(fn)``, its callback tracked until torch frees it (see ``_drain``)."""
-    global _used_callbacks
-
-    def callback(f: Future):  # a fresh object per call: freed exactly when torch drops it
-        return fn(f)
-
-    _used_callbacks = True
-    _CALLBACKS.add(callback)
-    return fut.then(callback)
-
-
-@atexit.register
-def _drain() -> None:
-    if not _used_callbacks:
-        return
-    deadline = time.monotonic() + _EXIT_WAIT
-    while _CALLBACKS and time.monotonic() < deadline:
-        time.sleep(0.001)
-    time.sleep(_EXIT_GRACE)
-
-
-# The Futures ddpcomm completes from Python (set_result, set_exception): all made by
-# device_future. An exception set from Python is kept as the value, which a C++ reader
-# such as DDP's reducer then fails to cast to a Tensor; the hooks turn such errors into
-# C++-level ones by returning a ``then`` of these Futures (and only of these: each ``then``
-# is one more hop on the gloo worker thread: about 40 us, 6% of a 1 MiB plain all_reduce
-# between two local ranks).
-_SET_FROM_PYTHON: weakref.WeakSet = weakref.WeakSet()
-
-
-def device_future(device: torch.device) -> Future:
-    """A Future that, for a CUDA device, orders its waiters after the producing stream."""
-    fut = Future(devices=[device]) if device.type == "cuda" else Future()
-    _SET_FROM_PYTHON.add(fut)
-    return fut
-
-
-def set_from_python(fut: Future) -> bool:
-    """Whether ``fut`` is completed from Python (made by device_future), so that an error
-    in it is a Python object rather than a C++ exception."""
-    return fut in _SET_FROM_PYTHON
-
-
-def completed(value, device: torch.device) -> Future:
-    fut = device_future(device)
-    fut.set_result(value)
-    return fut
-
-
-class Latch:
-    """A Future completed with ``value`` once ``count`` parts have arrived.
-
-    Each part calls ``arrive()`` after enqueueing its work (typically inside a ``then``
-    callback, whose current CUDA stream differs from part to part). On CUDA every arrival
-    records an event on its current stream and the last arrival makes its own stream wait
-    for all of them before completing the Future, so its waiters see every part's kernels.
-    The first failure completes the Future with that exception.
-    """
-
-    __slots__ = ("future", "_value", "_left", "_events", "_cuda", "_lock")
-
-    def __init__(self, count: int, value, device: torch.device) -> None:
-        self.future = device_future(device)
-        self._value = value
-        self._left = count
-        self._events: list = []
-        self._cuda = device.type == "cuda"
-        self._lock = threading.Lock()
-        if count == 0:
-            self.future.set_result(value)
-
-    def arrive(self, error: BaseException | None = None) -> None:
-        event = None
-        if self._cuda and error is None:
-            event = torch.cuda.Event()
-            event.record()
-        with self._lock:
-            if self.future.done():
-                return
-            if error is not None:
-                self.future.set_exception(error)
-                return
-            self._left -= 1
-            if event is not None:
-                self._events.append(event)
-            if self._left:
-                return
-            for e in self._events:
-                torch.cuda.current_stream().wait_event(e)
-            self.future.set_result(self._value)
-
-    def watch(self, fut: Future, work: Callable[[Future], None] | None = None) -> None:
-        """Arrives when ``fut`` completes, after running ``work(fut)`` (which may raise)."""
-
-        def part(f: Future) -> None:
-            try:
-                f.wait()
-                if work is not None:
-                    work(f)
-            except Exception as exc:  # noqa: BLE001 - handed to the latch's waiter
-                self.arrive(exc)
-                return
-            self.arrive()
-
-        then(fut, part)
-
-
-def join(futures: list[Future], value, device: torch.device) -> Future:
-    """A Future of ``value`` completed after every one of ``futures`` (CUDA-ordered)."""
-    if len(futures) == 1:
-        return then(futures[0], lambda f: (f.wait(), value)[1])
-    latch = Latch(len(futures), value, device)
-    for f in futures:
-        latch.watch(f)
-    return latch.future
-
+from ddpcomm.groups import all_gather_single
 
 # --------------------------------------------------------------------------------------
 # Stats and per-bucket memory
@@ -495,74 +341,3 @@ def verify_config(config: tuple, numel: int, group: dist.ProcessGroup | None, de
             "ddpcomm: ranks disagree on the compression configuration or bucket size "
             f"(this rank: {config}, numel {numel}); " + "; ".join(rows)
         )
-
-
-# --------------------------------------------------------------------------------------
-# Collective-order sequencer for second-phase collectives
-# --------------------------------------------------------------------------------------
-
-
-class Sequencer:
-    """Issues second-phase collectives on a companion group in ticket order.
-
-    gloo and NCCL pair collectives by the order each rank issues them on a group, while
-    ``Future.then`` callbacks run in whatever order collectives finish. A ticket is taken
-    when the first phase is issued (bucket order, the same on every rank); the second
-    phase is issued on the companion group strictly in ticket order.
-    """
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        ranks = dist.get_process_group_ranks(group)
-        # Only members call this, at their first two-phase step, in the same order. The
-        # companion runs on the group's own backend (a NCCL group's phase 2 stays on
-        # NCCL) with the group's timeout: a frozen peer fails phase 2 when the user's
-        # timeout says, not after torch's default of 30 minutes.
-        self.companion = dist.new_group(
-            ranks,
-            backend=dist.get_backend(group),
-            timeout=group_timeout(group),
-            use_local_synchronization=True,
-        )
-        self._lock = threading.Lock()
-        self._next_ticket = 0
-        self._next_to_run = 0
-        self._ready: dict[int, Callable[[], None]] = {}
-
-    def ticket(self) -> int:
-        """Taken on the issuing thread, right after the first phase is issued."""
-        with self._lock:
-            t = self._next_ticket
-            self._next_ticket += 1
-            return t
-
-    def submit(self, ticket: int, issue: Callable[[], None]) -> None:
-        """Runs ``issue`` once every earlier ticket's has run; never blocks on the network."""
-        with self._lock:
-            self._ready[ticket] = issue
-            while self._next_to_run in self._ready:
-                fn = self._ready.pop(self._next_to_run)
-                self._next_to_run += 1
-                fn()
-
-
-def group_timeout(pg: dist.ProcessGroup) -> datetime.timedelta | None:
-    """The timeout ``pg`` was created with (None, torch's default, if torch does not say)."""
-    for device in getattr(pg, "_device_types", ()):
-        try:
-            return pg._get_backend(device).options._timeout
-        except (AttributeError, RuntimeError):
-            continue
-    return None
-
-
-# Weak keys: a destroyed process group is not kept alive by its sequencer.
-_SEQUENCERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_SEQUENCERS_LOCK = threading.Lock()
-
-
-def sequencer(group: dist.ProcessGroup) -> Sequencer:
-    with _SEQUENCERS_LOCK:
-        seq = _SEQUENCERS.get(group)
-        if seq is None:
-            seq = _SEQUENCERS[group] = Sequencer(group)
-        return seq

@@ -39,9 +39,9 @@ from ddpcomm.context import (
     ResidualMemory,
     Stats,
     Workspace,
-    completed,
     verify_config,
 )
+from ddpcomm.futures import completed
 
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -38,9 +38,8 @@ from ddpcomm.context import (
     ResidualMemory,
     Stats,
     Workspace,
-    set_from_python,
-    then,
 )
+from ddpcomm.futures import set_from_python, then
 from ddpcomm.layout import LayoutTracker, Reformer
 
 

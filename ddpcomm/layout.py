@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ddpcomm.context import Latch, then
+from ddpcomm.futures import Latch, then
 
 
 class LayoutTracker:

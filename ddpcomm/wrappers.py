@@ -44,7 +44,8 @@ import torch.distributed as dist
 
 from ddpcomm import agreement, collectives, ops
 from ddpcomm.compressors import Compressor, parse
-from ddpcomm.context import ReduceContext, completed, join, then
+from ddpcomm.context import ReduceContext
+from ddpcomm.futures import completed, join, then
 
 Future = torch.futures.Future
 ReduceOp = dist.ReduceOp

@@ -3,7 +3,7 @@
 torch runs a gloo Future's callbacks on the group's worker thread, which needs the GIL
 again after the Future a training step waits on is complete; an interpreter already
 finalizing kills that thread inside a destructor and the process aborts. ddpcomm's
-``context.then`` waits at exit for its callbacks (tests/scripts/exit_in_flight.py
+``futures.then`` waits at exit for its callbacks (tests/scripts/exit_in_flight.py
 leaves one 0.3 s from running; with ``Future.then`` instead, rank 0 aborts or never runs
 the callback).
 """
@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-from ddpcomm import context
+from ddpcomm import futures
 from tests.test_run import ROOT, _port
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "exit_in_flight.py")
@@ -43,12 +43,12 @@ def test_exit_waits_for_callbacks_in_flight():
 
 
 def test_exit_wait_is_bounded(monkeypatch):
-    never = context.Future()
-    before = len(context._CALLBACKS)
-    context.then(never, lambda f: None)  # a collective that never finishes
+    never = futures.Future()
+    before = len(futures._CALLBACKS)
+    futures.then(never, lambda f: None)  # a collective that never finishes
     clock = iter(range(1000))
-    monkeypatch.setattr(context.time, "monotonic", lambda: next(clock))
-    monkeypatch.setattr(context.time, "sleep", lambda s: None)
-    context._drain()  # returns once the (fake) clock passes _EXIT_WAIT
-    assert len(context._CALLBACKS) == before + 1  # still pending
-    assert next(clock) == 1 + int(context._EXIT_WAIT)
+    monkeypatch.setattr(futures.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(futures.time, "sleep", lambda s: None)
+    futures._drain()  # returns once the (fake) clock passes _EXIT_WAIT
+    assert len(futures._CALLBACKS) == before + 1  # still pending
+    assert next(clock) == 1 + int(futures._EXIT_WAIT)

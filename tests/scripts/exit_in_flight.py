@@ -2,7 +2,7 @@
 
 Its interpreter exits while the collective is still in flight: the callback then runs
 on gloo's worker thread. ``raw`` attaches it with ``Future.then``, otherwise with
-``ddpcomm.context.then``. Rank 0 prints ``callback ran`` from the callback.
+``ddpcomm.futures.then``. Rank 0 prints ``callback ran`` from the callback.
 """
 
 import sys
@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ddpcomm import context
+from ddpcomm import futures
 
 dist.init_process_group("gloo")  # env://: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 t = torch.ones(1 << 16)
@@ -23,7 +23,7 @@ if dist.get_rank() == 0:
     def report(fut):
         print(f"callback ran: {fut.value()[0][0].item():g}", flush=True)
 
-    attach = (lambda f, fn: f.then(fn)) if sys.argv[1:] == ["raw"] else context.then
+    attach = (lambda f, fn: f.then(fn)) if sys.argv[1:] == ["raw"] else futures.then
     attach(work.get_future(), report)
 else:
     work.wait()
