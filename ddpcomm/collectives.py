@@ -33,7 +33,7 @@ from ddpcomm.compressors import (
     dense_bytes,
 )
 from ddpcomm.context import ReduceContext, fingerprint
-from ddpcomm.futures import Future, completed, device_future, join, then
+from ddpcomm.futures import Future, completed, device_future, fail, join, resolve, then
 from ddpcomm.groups import all_gather_single, sequencer
 
 
@@ -172,7 +172,9 @@ def _pieces(
 def _gather_pieces(send, gathered, spans, pg, prepare, land, link=None) -> list[Future]:
     """All-gathers the byte spans [b0, b1) of ``send`` as one all_gather each, in order:
     ``prepare(i)`` fills span i just before it is sent, and ``land(i, rows)`` runs as its
-    (N, b1 - b0) rows arrive (at ``gathered[N * b0 : N * b1]``). One Future per span.
+    (N, b1 - b0) rows arrive (at ``gathered[N * b0 : N * b1]``) and returns the tensor it
+    wrote, or None. One Future per span, whose value is that tensor or the rows: it carries
+    the collective's and the decode's CUDA work to its waiters (futures.py's stream rule).
     ``link`` (the bucket's LinkRate, or None) times the payload on its way."""
     world = dist.get_world_size(pg)
     futures = []
@@ -190,7 +192,8 @@ def _gather_pieces(send, gathered, spans, pg, prepare, land, link=None) -> list[
             fut.wait()
             if link is not None:
                 link.landed(i)
-            land(i, rows)
+            written = land(i, rows)
+            return rows if written is None else written
 
         futures.append(then(work.get_future(), landed))
     if link is not None:
@@ -248,7 +251,9 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
     def land(i, rows):
         e0, e1 = elements(i)
         with ctx.stats.timer():
-            ops.dequantize_sum(rows, e1 - e0, q.bits, block, world, flat.dtype, out=flat[e0:e1])
+            return ops.dequantize_sum(
+                rows, e1 - e0, q.bits, block, world, flat.dtype, out=flat[e0:e1]
+            )
 
     spans = [(r0 * rec, r1 * rec) for r0, r1 in pieces]
     futures = _gather_pieces(packed, gathered, spans, pg, prepare, land, link)
@@ -345,11 +350,12 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 w2 = all_gather_single(rows, reply, group=seq.companion, async_op=True)
             if error is not None:
-                then(w2.get_future(), lambda _: result.set_exception(error))
+                then(w2.get_future(), lambda _: fail(result, error))
             else:
                 then(w2.get_future(), lambda f: decode(c0, c1, rows, result, f))
 
         seq.submit(ticket, issue)
+        return reply  # written on this callback's stream (futures.py's stream rule)
 
     def decode(c0, c1, rows, result, fut):
         try:
@@ -366,9 +372,9 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
                             ops.dequantize(
                                 payload, e1 - e0, bits, block, flat.dtype, out=flat[e0:e1]
                             )
-            result.set_result(flat)
+            resolve(result, flat)
         except Exception as exc:  # noqa: BLE001 - handed to the waiter, not swallowed
-            result.set_exception(exc)
+            fail(result, exc)
 
     # On gloo the chunks go in pieces, as the all-gather algorithm's payload does: piece
     # [c0, c1) is records c0..c1 of every chunk. Each piece is quantized just before its
@@ -495,9 +501,10 @@ def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
         rows = ctx.buffer("rows", world * size, flat.device).view(world, size)
 
     def land(i, piece):
-        if len(spans) > 1:
-            b0, b1 = spans[i]
-            rows[:, b0:b1].copy_(piece)
+        if len(spans) == 1:
+            return None  # decoded in place from the gathered rows
+        b0, b1 = spans[i]
+        return rows[:, b0:b1].copy_(piece)
 
     futures = _gather_pieces(packed, gathered, spans, pg, lambda i: None, land, link)
 

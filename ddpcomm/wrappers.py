@@ -290,8 +290,9 @@ def _reduced(flat: torch.Tensor, compressor: Compressor, op, world: int, value) 
 
 def _run(jobs, compressor: Compressor, op, pg, step: int, tensors, async_op: bool):
     """Issues every job's collective in job order (the same on every rank), then writes
-    each result back with its job's ``write(reduced)``: on this thread once all are issued
-    (sync), or in the completion callbacks (async_op)."""
+    each result back with its job's ``write(reduced)``, which returns the tensors holding
+    the result: on this thread once all are issued (sync), or in the completion callbacks
+    (async_op), which hand those tensors on (futures.py's stream rule)."""
     issued = [
         (flat, write, _issue(flat, compressor, op, pg, step, key))
         for key, (flat, write) in enumerate(jobs)
@@ -315,6 +316,16 @@ def _run(jobs, compressor: Compressor, op, pg, step: int, tensors, async_op: boo
     ]
 
     return AllReduceHandle(join(futures, tensors, issued[0][0].device))
+
+
+def _unflatten_to(tensors: list[torch.Tensor]):
+    """A job's ``write``: the reduced flat buffer back into ``tensors``, which it returns."""
+
+    def write(out: torch.Tensor) -> list[torch.Tensor]:
+        ops.unflatten_into(out, tensors)
+        return tensors
+
+    return write
 
 
 def _memory_order_view(t: torch.Tensor) -> torch.Tensor | None:
@@ -411,13 +422,13 @@ def all_reduce(
 
     flat = view if view is not None else ops.flatten([target])
 
-    def write(out: torch.Tensor) -> None:
-        if view is None:
-            ops.unflatten_into(out, [target])
-        elif out.data_ptr() != view.data_ptr():
+    def write(out: torch.Tensor) -> torch.Tensor:
+        if out.data_ptr() != view.data_ptr():
             view.copy_(out)
+        return view
 
-    return _run([(flat, write)], compressor, rop, pg, _next_step(pg), [tensor], async_op)
+    job = (flat, write) if view is not None else (flat, _unflatten_to([target]))
+    return _run([job], compressor, rop, pg, _next_step(pg), [tensor], async_op)
 
 
 def all_reduce_coalesced(
@@ -481,8 +492,5 @@ def all_reduce_coalesced(
         return AllReduceHandle(completed(tensors, device)) if async_op else None
 
     flats = [ops.flatten(ts) for ts in groups]
-    jobs = [
-        (flat, lambda out, ts=ts: ops.unflatten_into(out, ts))
-        for flat, ts in zip(flats, groups, strict=True)
-    ]
+    jobs = [(flat, _unflatten_to(ts)) for flat, ts in zip(flats, groups, strict=True)]
     return _run(jobs, compressor, rop, pg, _next_step(pg), tensors, async_op)

@@ -2,14 +2,19 @@
 
 Importing ddpcomm.ops loads ddpcomm._C, so a native library that did not build fails the
 whole run, loudly, with the reason: tests never fall back to reference.py for the ops they
-check. The ``device`` fixture runs a test on the CPU and, where torch sees a GPU, on CUDA;
-without one the CUDA cases skip with that reason.
+check. Every Future callback in every test (and in the ranks and scripts they start) runs
+under the stream-rule check (ddpcomm/futures.py). The ``device`` fixture runs a test on the
+CPU and, where torch sees a GPU, on CUDA; without one the CUDA cases skip with that reason.
 """
 
-import pytest
-import torch
+import os
 
-import ddpcomm.ops
+os.environ.setdefault("DDPCOMM_CHECK_STREAM_RULE", "1")  # before ddpcomm is imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import ddpcomm.ops  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 
