@@ -276,7 +276,7 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
     held = [size // rec for size in q.two_phase_splits(n, world)]  # records in each chunk
     my_numel = max(0, min(n, (rank + 1) * chunk) - rank * chunk)
 
-    seq = sequencer(pg)
+    seq = sequencer(pg, flat.device)
     seed = _stream_seed(q.seed, ctx.key)
     # Disjoint counter ranges for every (rank, phase) so no two roundings share a draw.
     stride = 2 * world * chunk

@@ -25,7 +25,6 @@ from tests.collective_utils import rank_input
 from tests.ddp_utils import FROM_START, make_model
 from tests.dist_utils import run_ranks
 
-
 # --------------------------------------------------------------------------------------
 # The checker itself
 # --------------------------------------------------------------------------------------
