@@ -315,11 +315,19 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
                 at += splits[d]
 
     def owner_step(c0, c1, inbox, ticket, result, fut):
+        try:
+            fut.wait()
+        except Exception as exc:  # noqa: BLE001 - handed to the waiter
+            # Phase 1 itself failed: a peer is gone or frozen past the group's timeout, and
+            # the group is unusable. Phase 2 would only wait out that timeout once more
+            # (a frozen peer was reported after twice the group's timeout): fail now.
+            seq.submit(ticket, lambda: None)
+            fail(result, exc)
+            return None
         error = None
         e0, e1 = (e - rank * chunk for e in elements(rank, c0, c1))
         reply = send[c0 * rec : c1 * rec]
         try:
-            fut.wait()
             if e1 > e0:
                 with ctx.stats.timer():
                     reduced = ops.dequantize_sum_requantize(
@@ -337,8 +345,9 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
                 reply[: reduced.numel()] = reduced
             reply[inbox.shape[1] :] = 0  # past a short chunk's records: never read
         except Exception as exc:  # noqa: BLE001
-            # Still take part in phase 2 so no peer hangs; all-ones bytes make NaN
-            # magnitudes, so every rank's result is non-finite, and this rank raises.
+            # This rank's own step failed, not the collective: still take part in phase 2
+            # so no peer hangs; all-ones bytes make NaN magnitudes, so every rank's result
+            # is non-finite, and this rank raises.
             reply.fill_(0xFF)
             error = exc
         # Phase 2 may be issued from a later bucket's callback (ticket order), on another
