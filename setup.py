@@ -1,9 +1,13 @@
-"""Builds ddpcomm._C: the C++ ops always, the CUDA ops when torch has CUDA and nvcc exists."""
+"""Builds ddpcomm._C: the C++ ops always, the CUDA ops when torch has CUDA and nvcc exists.
+
+nvcc's major version must match torch.version.cuda's (torch refuses the build otherwise).
+TORCH_CUDA_ARCH_LIST picks the GPU architectures; see _cuda_arch_list for the default."""
 
 import glob
 import os
 import platform
 import shutil
+import subprocess
 
 import torch
 from setuptools import setup
@@ -45,13 +49,38 @@ def _cpu_arch():
     return ["-march=x86-64-v3" if avx2 else "-march=x86-64-v2"]
 
 
+def _cuda_arch_list():
+    """The GPU architectures to compile for, when TORCH_CUDA_ARCH_LIST does not say.
+
+    With a GPU visible at build time, None: torch's own choice, the visible cards. Without
+    one (a build machine, a container), the architectures torch itself was built for that
+    this nvcc can compile (V100 and T4 included where both have them), the newest also as
+    PTX so later cards can JIT it. Never a short fixed list: a card without a kernel image
+    fails at the first op."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.is_available():
+        return None
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
+    listed = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True).stdout
+    nvcc_can = {a.removeprefix("compute_") for a in listed.split()}
+    torch_has = {a.removeprefix("sm_") for a in torch._C._cuda_getArchFlags().split()}
+    archs = sorted((int(a[:-1]), int(a[-1])) for a in torch_has & nvcc_can if a.isdigit())
+    if not archs:
+        return None
+    names = [f"{major}.{minor}" for major, minor in archs]
+    return ";".join(names[:-1] + [names[-1] + "+PTX"])
+
+
 cuda, why = _want_cuda()
 print(f"ddpcomm: building {'CPU + CUDA' if cuda else 'CPU-only'} ops ({why}), {_cpu_arch()}")
 
 cxx = ["-O3", "-fopenmp", "-ffp-contract=off"] + _cpu_arch()
 sources = _sources("csrc/ddpcomm.cpp") + _sources("csrc/cpu/*.cpp")
 if cuda:
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
+    archs = _cuda_arch_list()
+    if archs is not None:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    targets = os.environ.get("TORCH_CUDA_ARCH_LIST", "those of the visible GPUs")
+    print(f"ddpcomm: CUDA architectures: {targets}")
     ext = CUDAExtension(
         "ddpcomm._C",
         sources + _sources("csrc/cuda/*.cpp") + _sources("csrc/cuda/*.cu"),
