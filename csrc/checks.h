@@ -223,32 +223,17 @@ inline at::ScalarType check_topk_compress(const at::Tensor& x,
   return vtype;
 }
 
-// sparse_accumulate_into: the fp32 sum goes to `out` itself when it is float32, else to
-// `scratch` (the CUDA kernel sums in shared memory and never touches it, but takes the same
-// arguments, so a call that works on one device works on the other).
-inline void check_sparse_accumulate(const at::Tensor& payloads, const at::Tensor& out,
-                                    const std::optional<at::Tensor>& scratch, int64_t k,
+// sparse_accumulate_into: both devices sum in fp32 of their own (CPU: an L2-sized slice per
+// task; CUDA: shared memory) and cast once into `out`, whatever its dtype.
+inline void check_sparse_accumulate(const at::Tensor& payloads, const at::Tensor& out, int64_t k,
                                     int64_t divisor, at::ScalarType value_dtype) {
   const char* op = "sparse_accumulate";
-  if (out.scalar_type() != at::kFloat) {
-    TORCH_CHECK(scratch.has_value(), op,
-                ": a float16/bfloat16 out needs a float32 scratch of out.numel() elements, "
-                "got none");
-    TORCH_CHECK(scratch->scalar_type() == at::kFloat && scratch->is_contiguous() &&
-                    scratch->numel() == out.numel(),
-                op, ": scratch must be a contiguous float32 tensor of ", out.numel(),
-                " elements, got ", scratch->scalar_type(), " of ", scratch->numel());
-  }
   check_sparse_payloads(payloads, out.numel(), k, value_dtype, op);
   check_divisor_dtype(divisor, out.scalar_type(), op);
   TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
   TORCH_CHECK(out.device() == payloads.device(), op, ": out is on ", out.device(),
               " but payloads are on ", payloads.device());
   check_apart(out, "out", payloads, "payloads", op);
-  if (out.scalar_type() != at::kFloat) {
-    check_apart(*scratch, "scratch", payloads, "payloads", op);
-    check_apart(*scratch, "scratch", out, "out", op);
-  }
 }
 
 // randk_compress_into: k = out.numel() values.

@@ -36,16 +36,15 @@ TORCH_LIBRARY(ddpcomm, m) {
   m.def("unflatten_into(Tensor flat, Tensor(a!)[] tensors) -> ()");
 
   // Sparsification family (top-k, random-k). Payload layout and selection order:
-  // csrc/numerics.h, "Sparsification". numel and dtype come from `out`; a 16-bit `out` of
-  // sparse_accumulate_into takes its fp32 sum through `scratch`; randk_compress_into sends
-  // k = out.numel() values.
+  // csrc/numerics.h, "Sparsification". numel and dtype come from `out` (sparse_accumulate_into
+  // sums in fp32 whatever out's dtype); randk_compress_into sends k = out.numel() values.
   m.def(
       "topk_compress_into(Tensor x, Tensor(a!)? residual, Tensor(b!) out, int k, "
       "bool approximate=False, int seed=0, int step=0, ScalarType? value_dtype=None) -> ()");
   // check=False trusts the rows' indices (made by topk_compress): no validation pass, and on
   // CUDA no host synchronization to raise on a bad row.
   m.def(
-      "sparse_accumulate_into(Tensor payloads, Tensor(a!) out, Tensor(b!)? scratch, int k, "
+      "sparse_accumulate_into(Tensor payloads, Tensor(a!) out, int k, "
       "int divisor, ScalarType value_dtype, bool check=True) -> ()");
   m.def(
       "randk_compress_into(Tensor x, Tensor(a!)? residual, Tensor(b!) out, int seed, int step, "

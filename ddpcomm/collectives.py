@@ -449,8 +449,8 @@ def _bucket_int(key) -> int:
 
 
 def _fp32_scratch(ctx: ReduceContext, flat: torch.Tensor) -> torch.Tensor | None:
-    """A reused fp32 buffer of flat's size for sums of a 16-bit bucket (None for fp32:
-    the sum is formed in ``flat`` itself)."""
+    """A reused fp32 buffer of flat's size for the dense switch's sum of a 16-bit bucket
+    (None for fp32: the sum is formed in ``flat`` itself)."""
     if flat.dtype == torch.float32:
         return None
     return ctx.buffer("fp32_sum", 4 * flat.numel(), flat.device).view(torch.float32)
@@ -470,12 +470,12 @@ def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
         ops.topk_compress(
             flat, residual, k, c.approximate, _stream_seed(0, ctx.key), ctx.step, vdtype, out=packed
         )
-    scratch = _fp32_scratch(ctx, flat)
     sent = c.wire_bytes(n, world)
 
     if c.use_dense(n, world):
         # Dense switch: this rank's sparsified tensor in fp32, summed by all_reduce. The same
         # numbers as the sparse path up to the order gloo/NCCL add the N terms in.
+        scratch = _fp32_scratch(ctx, flat)
         total = flat if scratch is None else scratch
         with ctx.stats.timer():
             ops.sparse_accumulate(
@@ -520,9 +520,7 @@ def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
     def decode(fut):
         fut.wait()
         with ctx.stats.timer():
-            ops.sparse_accumulate(
-                rows, n, k, world, vdtype, flat.dtype, out=flat, scratch=scratch, check=False
-            )
+            ops.sparse_accumulate(rows, n, k, world, vdtype, flat.dtype, out=flat, check=False)
             # NaN/Inf rank above every finite magnitude, so a non-finite bucket always sends
             # one: every rank sees it in the gathered rows and resets the same residual.
             if residual is not None:

@@ -629,15 +629,13 @@ def sparse_accumulate(
     value_dtype: torch.dtype,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
-    scratch: torch.Tensor | None = None,
     check: bool = True,
 ) -> torch.Tensor:
     """Dense sum of N packed top-k payloads ([N, bytes] uint8) divided by ``divisor``.
 
-    Rows are added in row (rank) order into an fp32 buffer of ``numel`` zeros, so an index
-    present in several rows sums in rank order; the result is cast to ``dtype``. With
-    ``out`` the result is written there (no allocation); a float16/bfloat16 ``out`` also
-    needs ``scratch``, a float32 tensor of ``numel`` elements for the sum.
+    Rows are added in row (rank) order in fp32 (the kernels' own accumulators, whatever
+    ``dtype``), so an index present in several rows sums in rank order; the result is cast
+    to ``dtype`` once. With ``out`` the result is written there (no allocation).
 
     ``check`` validates every row's indices (strictly increasing, in [0, numel)) and raises
     for a bad row before anything is added. On CUDA that reads the verdict back to the host,
@@ -651,11 +649,9 @@ def sparse_accumulate(
         _check_sparse_numel_k(numel, k, op)
         _check_divisor_dtype(divisor, dtype, op)
         out = payloads.new_empty(numel, dtype=dtype)
-        if scratch is None and dtype != torch.float32:
-            scratch = payloads.new_empty(numel, dtype=torch.float32)
     else:
         _check_out(out, numel, dtype, op)
-    _ops.sparse_accumulate_into(payloads, out, scratch, k, divisor, value_dtype, check)
+    _ops.sparse_accumulate_into(payloads, out, k, divisor, value_dtype, check)
     return out
 
 
@@ -713,21 +709,8 @@ def _(x, residual, out, k, approximate=False, seed=0, step=0, value_dtype=None):
 
 
 @torch.library.register_fake("ddpcomm::sparse_accumulate_into")
-def _(payloads, out, scratch, k, divisor, value_dtype, check=True):
+def _(payloads, out, k, divisor, value_dtype, check=True):
     op = "sparse_accumulate"
-    if out.dtype != torch.float32:
-        _check(
-            scratch is not None,
-            f"{op}: a float16/bfloat16 out needs a float32 scratch of out.numel() elements, "
-            "got none",
-        )
-        _check(
-            scratch.dtype == torch.float32
-            and scratch.is_contiguous()
-            and scratch.numel() == out.numel(),
-            f"{op}: scratch must be a contiguous float32 tensor of {out.numel()} elements, "
-            f"got {_name(scratch.dtype)} of {scratch.numel()}",
-        )
     _check_sparse_payloads(payloads, out.numel(), k, value_dtype, op)
     _check_divisor_dtype(divisor, out.dtype, op)
     _check(out.is_contiguous(), f"{op}: out must be contiguous")
@@ -736,9 +719,6 @@ def _(payloads, out, scratch, k, divisor, value_dtype, check=True):
         f"{op}: out is on {out.device} but payloads are on {payloads.device}",
     )
     _check_apart(out, "out", payloads, "payloads", op)
-    if out.dtype != torch.float32:
-        _check_apart(scratch, "scratch", payloads, "payloads", op)
-        _check_apart(scratch, "scratch", out, "out", op)
 
 
 @torch.library.register_fake("ddpcomm::randk_compress_into")

@@ -249,8 +249,7 @@ def _topk(output, input, c: TopK, ctx, residual, divisor, factor):
     rows = received.view(world, size)
 
     def decode(out, d):
-        scratch = None if out.dtype == torch.float32 else _fp32_scratch(ctx, n, dev)
-        ops.sparse_accumulate(rows, n, k, d, vdtype, out.dtype, out=out, scratch=scratch)
+        ops.sparse_accumulate(rows, n, k, d, vdtype, out.dtype, out=out)
 
     _write(output, divisor, factor, ctx, decode)
     return torch.isfinite(rows[:, 4 * k :].contiguous().view(vdtype)).all()

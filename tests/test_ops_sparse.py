@@ -480,8 +480,7 @@ def test_out_variants_match_allocating_ops(device, dtype):
     rows = topk_rows(n, k).to(device)
     want = ops.sparse_accumulate(rows, n, k, 3, torch.float32, dtype)
     out = torch.full((n,), 7.0, dtype=dtype, device=device)  # stale contents must not leak
-    scratch = torch.full((n,), 5.0, device=device) if dtype != torch.float32 else None
-    got = ops.sparse_accumulate(rows, n, k, 3, torch.float32, dtype, out=out, scratch=scratch)
+    got = ops.sparse_accumulate(rows, n, k, 3, torch.float32, dtype, out=out)
     assert got is out
     assert_same_bits(out, want)
     x = gen(n, dtype, 1).to(device)
@@ -541,7 +540,6 @@ def test_opcheck_every_op(device):
             (
                 rows,
                 torch.empty(n, dtype=torch.bfloat16, device=device),
-                torch.empty(n, device=device),
                 k,
                 2,
                 torch.float32,
@@ -550,7 +548,7 @@ def test_opcheck_every_op(device):
         )
     torch.library.opcheck(
         torch.ops.ddpcomm.sparse_accumulate_into,
-        (rows, torch.empty(n, device=device), None, k, 1, torch.float32),
+        (rows, torch.empty(n, device=device), k, 1, torch.float32),
     )
     torch.library.opcheck(
         torch.ops.ddpcomm.randk_compress_into, (x, zeros, torch.empty(k, device=device), 1, 2, 3)
@@ -647,18 +645,6 @@ def _bad_calls(d):
             ),
             "strictly increasing",
         ),
-        (
-            lambda: ops.sparse_accumulate(
-                torch.zeros(1, 16, dtype=u8, device=d),
-                10,
-                2,
-                1,
-                torch.float32,
-                torch.float16,
-                out=torch.empty(10, dtype=torch.float16, device=d),
-            ),
-            "needs a float32 scratch",
-        ),
     ]
 
 
@@ -674,25 +660,6 @@ def test_out_variants_bad_input(device):
     x = gen(n, torch.float32).to(device)
     with pytest.raises(RuntimeError, match="out must be a contiguous 1-D uint8"):
         ops.topk_compress(x, None, k, out=torch.empty(k * 8 - 1, dtype=torch.uint8, device=device))
-    with pytest.raises(RuntimeError, match="needs a float32 scratch"):
-        ops.sparse_accumulate(
-            rows,
-            n,
-            k,
-            2,
-            torch.float32,
-            torch.float16,
-            out=torch.empty(n, dtype=torch.float16, device=device),
-        )
-    with pytest.raises(RuntimeError, match="scratch must be"):
-        torch.ops.ddpcomm.sparse_accumulate_into(
-            rows,
-            torch.empty(n, dtype=torch.float16, device=device),
-            torch.empty(n - 1, device=device),
-            k,
-            2,
-            torch.float32,
-        )
     with pytest.raises(ValueError, match="out must have"):
         ops.sparse_accumulate(
             rows, n, k, 2, torch.float32, torch.float32, out=torch.empty(n + 1, device=device)
@@ -716,9 +683,8 @@ def _alias_calls(d):
          "out and x"),
         (lambda: ops.sparse_accumulate(rows, 10, 2, 1, torch.float32, torch.float32, out=over),
          "out and payloads"),
-        (lambda: q.sparse_accumulate_into(rows, torch.empty(10, dtype=torch.half,
-                                          device=d), over, 2, 1, torch.float32),
-         "scratch and payloads"),
+        (lambda: q.sparse_accumulate_into(rows, buf.view(torch.half)[:10], 2, 1, torch.float32),
+         "out and payloads"),
         (lambda: ops.randk_compress(x, x, k, 0, 0, 0), "residual and x"),
         (lambda: q.randk_compress_into(x, None, x[5 : 5 + k], 0, 0, 0), "out and x"),
         (lambda: ops.randk_decompress(x[:k], n, 0, 0, 0, 1, torch.float32, out=x),
@@ -774,26 +740,16 @@ def test_fakes_raise_like_the_native_ops():
         ),
         lambda: q.topk_compress_into(torch.randn(10), torch.zeros(9), torch.empty(16, dtype=u8), 2),
         lambda: q.sparse_accumulate_into(
-            torch.zeros(2, 16, dtype=u8),
-            torch.empty(10, dtype=torch.half),
-            None,
-            2,
-            1,
-            torch.float32,
+            torch.zeros(2, 16, dtype=u8), torch.empty(10, dtype=torch.half), 2, 0, torch.float32
         ),
         lambda: q.sparse_accumulate_into(
-            torch.zeros(2, 16, dtype=u8),
-            torch.empty(10, dtype=torch.half),
-            torch.empty(9),
-            2,
-            1,
-            torch.float32,
+            torch.zeros(2, 16, dtype=u8), torch.empty(10, dtype=torch.half), 2, 1, torch.int8
         ),
         lambda: q.sparse_accumulate_into(
-            torch.zeros(2, 15, dtype=u8), torch.empty(10), None, 2, 1, torch.float32
+            torch.zeros(2, 15, dtype=u8), torch.empty(10), 2, 1, torch.float32
         ),
         lambda: q.sparse_accumulate_into(
-            torch.zeros(2, 16, dtype=u8), torch.empty(10), None, 2, 0, torch.float32
+            torch.zeros(2, 16, dtype=u8), torch.empty(10), 2, 0, torch.float32
         ),
         lambda: q.randk_compress_into(torch.randn(10), None, torch.empty(11), 1, 2, 3),
         lambda: q.randk_compress_into(

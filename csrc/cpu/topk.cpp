@@ -504,11 +504,9 @@ void accumulate_rows(const at::Tensor& payloads, const at::Tensor& out, int64_t 
   });
 }
 
-void sparse_accumulate_into_cpu(const at::Tensor& payloads, const at::Tensor& out,
-                                const std::optional<at::Tensor>& scratch, int64_t k,
+void sparse_accumulate_into_cpu(const at::Tensor& payloads, const at::Tensor& out, int64_t k,
                                 int64_t divisor, at::ScalarType value_dtype, bool check) {
-  // The sum is formed in L2-sized slices; `scratch` (the CUDA kernel's sum) is not needed.
-  check_sparse_accumulate(payloads, out, scratch, k, divisor, value_dtype);
+  check_sparse_accumulate(payloads, out, k, divisor, value_dtype);
   accumulate_rows(payloads, out, k, divisor, value_dtype, check);
 }
 

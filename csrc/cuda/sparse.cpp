@@ -65,13 +65,11 @@ void topk_compress_into_cuda(const at::Tensor& x, const std::optional<at::Tensor
 // With `check`, validates every row's indices on the device and raises like the CPU op for
 // the first bad row before anything is scattered: reading the verdict back is a host
 // synchronization. Without it (the collectives' own payloads, made by topk_compress) nothing
-// is read back. Then sums the rows in rank order into `out`. `scratch` (the CPU op's fp32
-// accumulator for a 16-bit out) is checked, not used: the kernel sums in shared memory.
-void sparse_accumulate_into_cuda(const at::Tensor& payloads, const at::Tensor& out,
-                                 const std::optional<at::Tensor>& scratch, int64_t k,
+// is read back. Then sums the rows in rank order into `out` (in fp32, in shared memory).
+void sparse_accumulate_into_cuda(const at::Tensor& payloads, const at::Tensor& out, int64_t k,
                                  int64_t divisor, at::ScalarType value_dtype, bool check) {
   const char* op = "sparse_accumulate";
-  check_sparse_accumulate(payloads, out, scratch, k, divisor, value_dtype);
+  check_sparse_accumulate(payloads, out, k, divisor, value_dtype);
   check_on_cuda(payloads, "payloads", op);
   const int64_t numel = out.numel();
   const c10::cuda::CUDAGuard guard(payloads.device());
