@@ -626,7 +626,10 @@ bool topk_args_ok(const TopkArgs& a) {
 }  // namespace
 
 int64_t topk_candidate_capacity(int64_t n, int64_t samples, int64_t sample_rank) {
-  if (sample_rank >= samples) return n;  // threshold 0: every entry is a candidate
+  // Threshold 0 (a ratio near 1, or a bucket smaller than the sample): every entry is a
+  // candidate, so topk_decide_kernel takes the dense mode, which selects over x itself. A
+  // capacity of n would only add 8 bytes per element of workspace that no path reads.
+  if (sample_rank >= samples) return 0;
   // The threshold keeps about (rank + 1) / samples of the entries; twice that plus a few tiles
   // absorbs the sample's error and ties at the threshold. Beyond it, the dense path.
   const int64_t expect = (sample_rank + 1) * n / samples;
@@ -666,7 +669,9 @@ cudaError_t launch_topk_compress(const TopkArgs& a, void* workspace, cudaStream_
   const cudaError_t err = cudaMemsetAsync(w.hist, 0, 4 * 2048, stream);
   if (err != cudaSuccess) return err;
   const SelectSource src{w.cand_bits, w.cand_index, ev, false};
-  const unsigned hist_grid = grid_for(a.capacity, (int64_t)kThreads * 16, 1024);
+  // Capacity 0 means the dense mode for certain (every entry is a candidate): size for n.
+  const int64_t source = a.capacity > 0 ? a.capacity : a.n;
+  const unsigned hist_grid = grid_for(source, (int64_t)kThreads * 16, 1024);
   const int shifts[3] = {20, 10, 0}, widths[3] = {11, 10, 10};
   for (int d = 0; d < 3; ++d) {
     radix_hist_kernel<<<hist_grid, kThreads, 0, stream>>>(src, w.state, shifts[d], widths[d],
