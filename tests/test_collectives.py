@@ -388,7 +388,7 @@ def _compare_devices(rank: int, cuda_group, cpu_group) -> list[str]:
             ctx_gpu = ReduceContext(group=cuda_group, memory=mem_gpu, key=0, step=step)
             want = collectives.all_reduce_mean(x.clone(), comp, ctx_cpu).wait()
             got = collectives.all_reduce_mean(x.cuda(), comp, ctx_gpu).wait()
-            torch.cuda.synchronize()
+            # Read on the caller's stream right after wait(), no synchronize (DESIGN.md §8).
             if not got.is_cuda or not torch.equal(got.cpu(), want):
                 bad.append(f"{spec} {opts} step {step}: result differs")
             for key, buf in mem_cpu.buffers.items():

@@ -5,18 +5,22 @@ or CUDA tensors over gloo on GPU 0 and NCCL at one rank). Error feedback loses n
 over steps (N * sum of outputs + residuals = sum of inputs); buckets completed out of
 order still pair their collectives; a non-finite input is non-finite on every rank and
 resets the residuals; ranks that disagree on the configuration fail clearly (DESIGN.md §4,
-§6.3). On CUDA: no host synchronisation in any algorithm, and the returned Future orders
-its waiter after the last kernel (DESIGN.md §8).
+§6.3). On CUDA: no host synchronisation in any algorithm; with every collective and
+kernel delayed, a waiter reading right after Future.wait() sees the final values, for every
+algorithm and the async wrappers, on NCCL and on gloo with 2 and 3 ranks; NCCL's two-phase
+creates no group (DESIGN.md §8).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import ddpcomm
 from ddpcomm import collectives, compressors
 from ddpcomm.compressors import Quantizer
 from ddpcomm.context import ReduceContext, ResidualMemory, verify_config
@@ -178,46 +182,109 @@ def check_no_host_sync(rank, world):
     return bad
 
 
-# The op each algorithm's last kernel comes from (collectives calls them as ops.<name>).
-LAST_OPS = {"q8": "dequantize_sum", "q4": "dequantize", "topk:0.05": "sparse_accumulate"}
-LAST_OPS.update({"topk:0.9": "sparse_accumulate", "randk:0.05": "randk_decompress"})
+# Every algorithm (both quantized ones, top-k sparse and dense, random-k, casts, plain).
+DELAYED = HOT_PATHS + [
+    ("q8", dict(algorithm="two_phase")),
+    ("topk:0.05", dict(approximate=True, value_dtype=torch.float16)),
+    ("bf16", dict()),
+    ("none", dict()),
+]
+# The ops the algorithms and the wrappers launch, and the collectives they issue.
+DELAYED_OPS = (
+    "quantize dequantize_sum dequantize_sum_requantize dequantize topk_compress "
+    "sparse_accumulate randk_compress randk_decompress flatten unflatten_into"
+).split()
+SPIN = 20_000_000  # cycles, ~10 ms: longer than any kernel or collective here takes
 
 
-def check_slow_last_kernel(rank, world, backend):
-    """Delays the algorithm's last kernel by ~50 ms on its stream; reading the result on
-    the caller's stream right after Future.wait() must still see the final values."""
+@contextlib.contextmanager
+def everything_delayed():
+    """Every collective the algorithms issue and every op they launch first spins ~10 ms on
+    its current stream: the issuing stream before a collective, a callback's pool stream
+    before a decode. A waiter not ordered after all of it reads values not yet written."""
     from ddpcomm import ops
 
+    def slow(real):
+        def call(*args, **kwargs):
+            torch.cuda._sleep(SPIN)
+            return real(*args, **kwargs)
+
+        return call
+
+    names = [(dist, "all_reduce"), (dist, "all_to_all_single"), (collectives, "all_gather_single")]
+    names += [(ops, name) for name in DELAYED_OPS]
+    saved = [(module, name, getattr(module, name)) for module, name in names]
+    for module, name, real in saved:
+        setattr(module, name, slow(real))
+    try:
+        yield
+    finally:
+        for module, name, real in saved:
+            setattr(module, name, real)
+
+
+def check_delayed_waiter(rank, world, backend):
+    """With every collective and kernel delayed, the result read on the caller's stream right
+    after Future.wait() (or handle.wait()), with no synchronize, is the CPU run's, bit for
+    bit: for every algorithm, two steps (residuals), and the async wrappers."""
     torch.cuda.set_device(0)
     group = dist.new_group(backend=backend) if backend == "nccl" else None
     bad = []
-    for spec, opts in HOT_PATHS:
-        name = LAST_OPS.get(spec)
-        if name is None:
-            continue
+    n = 3 * 4096 + 77
+    for spec, opts in DELAYED:
         comp = compressors.parse(spec, **opts)
-        x = rank_input(rank, 3 * 4096 + 77, 0)
-        want = collectives.all_reduce_mean(
-            x.clone(), comp, ReduceContext(group=None, memory=ResidualMemory())
-        ).wait()
-        real = getattr(ops, name)
-
-        def slow(*args, real=real, **kwargs):
-            torch.cuda._sleep(100_000_000)  # ~50 ms of spinning on the current stream
-            return real(*args, **kwargs)
-
-        setattr(ops, name, slow)
-        try:
-            ctx = ReduceContext(group=group, memory=ResidualMemory())
-            out = collectives.all_reduce_mean(x.cuda(), comp, ctx).wait()
-            seen = out.clone()  # on the caller's stream, no synchronize before it
-        finally:
-            setattr(ops, name, real)
-        torch.cuda.synchronize()
-        if not torch.equal(seen.cpu(), want):
-            bad.append(spec)
+        mem_cpu, mem_gpu = ResidualMemory(), ResidualMemory()
+        for step in range(2):
+            x = rank_input(rank, n, step)
+            ctx = ReduceContext(group=None, memory=mem_cpu, step=step)
+            want = collectives.all_reduce_mean(x.clone(), comp, ctx).wait()
+            ctx = ReduceContext(group=group, memory=mem_gpu, step=step)
+            with everything_delayed():
+                out = collectives.all_reduce_mean(x.cuda(), comp, ctx).wait()
+                seen = out.clone()  # the caller's stream, right after wait()
+            if not torch.equal(seen.cpu(), want):
+                bad.append(f"{spec} {opts} step {step}")
+    parts = [
+        rank_input(rank, 1000),
+        rank_input(rank, 77).half(),
+        rank_input(rank, 54).view(9, 6).t(),
+    ]
+    for spec in ("q8", "topk:0.05", "fp16", "none"):
+        want = [p.clone() for p in parts]
+        ddpcomm.all_reduce(want[0], spec)
+        ddpcomm.all_reduce_coalesced(want, spec)
+        got = [p.cuda() for p in parts]
+        with everything_delayed():
+            ddpcomm.all_reduce(got[0], spec, group=group, async_op=True).wait()
+            ddpcomm.all_reduce_coalesced(got, spec, group=group, async_op=True).wait()
+            seen = [g.clone() for g in got]
+        if not all(torch.equal(s.cpu(), w) for s, w in zip(seen, want, strict=True)):
+            bad.append(f"wrappers {spec}")
     if group is not None:
         dist.destroy_process_group(group)
+    return bad
+
+
+def check_nccl_phase_two_on_the_group(rank, world):
+    """On NCCL the two-phase algorithm issues phase 2 on the group itself: no group is
+    created inside a reduction (DESIGN.md section 8)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from ddpcomm import groups
+
+    torch.cuda.set_device(0)
+    nccl = dist.new_group(backend="nccl")
+    before = len(c10d._world.pg_map)
+    comp = compressors.parse("q8", algorithm="two_phase", error_feedback=True)
+    for step in range(2):
+        ctx = ReduceContext(group=nccl, memory=ResidualMemory(), step=step)
+        collectives.all_reduce_mean(rank_input(rank, N, step).cuda(), comp, ctx).wait()
+    bad = []
+    if len(c10d._world.pg_map) != before:
+        bad.append(f"{len(c10d._world.pg_map) - before} process group(s) created")
+    if groups.sequencer(nccl, torch.device("cuda", 0)).companion is not nccl:
+        bad.append("phase 2 runs on a companion group")
+    dist.destroy_process_group(nccl)
     return bad
 
 
@@ -256,11 +323,13 @@ def plan(rank: int, world: int, device: str):
         yield ("config_mismatch", *suffix), functools.partial(check_config_mismatch, r)
     if device == "cuda" and world == 1:
         yield ("no_host_sync",), functools.partial(nothing_fails, check_no_host_sync, 0, 1)
-        slow = functools.partial(nothing_fails, check_slow_last_kernel, 0, 1, "nccl")
-        yield ("slow_last_kernel", "nccl"), slow
-    if device == "cuda" and world == 2:
-        slow = functools.partial(nothing_fails, check_slow_last_kernel, rank, world, "gloo")
-        yield ("slow_last_kernel", "gloo"), slow
+        delayed = functools.partial(nothing_fails, check_delayed_waiter, 0, 1, "nccl")
+        yield ("delayed", "nccl"), delayed
+        on_group = functools.partial(nothing_fails, check_nccl_phase_two_on_the_group, 0, 1)
+        yield ("phase_two_on_the_group",), on_group
+    if device == "cuda" and world in (2, 3):
+        delayed = functools.partial(nothing_fails, check_delayed_waiter, rank, world, "gloo")
+        yield ("delayed", "gloo"), delayed
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +372,11 @@ def test_no_host_sync_in_any_algorithm_on_nccl(groups, device):
 
 
 @pytest.mark.parametrize("device", CUDA_ONLY)
-@pytest.mark.parametrize("world, backend", [(1, "nccl"), (2, "gloo")])
-def test_future_orders_waiter_after_last_kernel(groups, world, backend, device):
-    groups.values(world, device, "slow_last_kernel", backend)
+@pytest.mark.parametrize("world, backend", [(1, "nccl"), (2, "gloo"), (3, "gloo")])
+def test_waiters_see_every_delayed_collective_and_kernel(groups, world, backend, device):
+    groups.values(world, device, "delayed", backend)
+
+
+@pytest.mark.parametrize("device", CUDA_ONLY)
+def test_nccl_two_phase_creates_no_group(groups, device):
+    groups.values(1, device, "phase_two_on_the_group")
