@@ -34,13 +34,21 @@ bench: all
 	$(PY) -m ddpcomm.bench kernels --sizes 64 --out benchmarks/kernels_cpu.json > benchmarks/kernels_cpu.txt
 	cat benchmarks/kernels_cpu.txt
 
+# On a machine with a GPU: builds in place for its card, runs the CUDA tests, compute-sanitizer
+# (memcheck, racecheck, synccheck) and the kernels bench, and writes benchmarks/gpu/<card>.txt.
+# It uses the machine's own python3 (no venv, no installs); without a GPU it skips those steps.
+GPU_PYTHON ?= python3
+.PHONY: gpu-check
+gpu-check:
+	$(GPU_PYTHON) .ci/gpu_check.py
+
 # Compiles every CUDA kernel file with plain nvcc (no torch headers, no GPU needed), and
 # syntax-checks every CUDA torch binding against the CPU wheel's headers (see below).
 nvcc-check: cuda-check
 
 lint: $(VENV)/.deps
-	$(VENV)/bin/ruff check ddpcomm tests benchmarks
-	$(VENV)/bin/ruff format --check ddpcomm tests benchmarks
+	$(VENV)/bin/ruff check ddpcomm tests benchmarks .ci
+	$(VENV)/bin/ruff format --check ddpcomm tests benchmarks .ci
 	$(VENV)/bin/clang-format --dry-run --Werror $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cuda/*)
 
 format: $(VENV)/.deps

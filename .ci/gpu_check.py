@@ -1,0 +1,196 @@
+"""``make gpu-check``: everything a machine with a GPU can prove, in one command, one report.
+
+Uses the interpreter it runs under (the machine's own python3: no venv, no installs), builds
+ddpcomm in place for the card it finds, then runs, each step with a deadline:
+
+- the CUDA tests, in parallel where pytest-xdist is installed (every ``cuda`` case: ops
+  against the CPU bit for bit, the 1-rank NCCL hooks and collectives, the gloo-with-CUDA
+  multi-rank groups, delayed streams);
+- compute-sanitizer memcheck, racecheck and synccheck over the CUDA op tests (the top-k
+  split and radix-select sizes included);
+- ``python -m ddpcomm.bench kernels --device cuda`` at 64 and 256 MB, last and alone.
+
+It writes ``benchmarks/gpu/<card>.txt``: pass/fail per step, then GB/s and % of a
+device-to-device copy per op, with the targets. Without a GPU (or without torch) every
+step that needs one reports ``skipped: no GPU`` and no report file is written; the exit
+status is non-zero only when a step that ran failed.
+
+    python3 .ci/gpu_check.py            # or: make gpu-check
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+OP_TESTS = ["tests/test_ops_quantize.py", "tests/test_ops_sparse.py", "tests/test_ops_flatten.py"]
+SANITIZERS = ("memcheck", "racecheck", "synccheck")
+# Targets (issue: the CUDA path): fraction of a device copy at 256 MB; top-k against torch.
+COPY_TARGET = {"quantize:q8": 0.9, "quantize:q4": 0.9, "dequantize_sum:q8": 0.9}
+COPY_TARGET["dequantize_sum:q4"] = 0.9
+TOPK_TARGET = ("topk_approx:0.01", 10.0)
+
+
+class Step:
+    """One line of the report: a name, an outcome, seconds, and what it printed last."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.outcome, self.seconds, self.tail = name, "skipped: no GPU", 0.0, ""
+        self.summary = ""  # the command's last line (pytest's counts)
+
+    def run(self, cmd: list[str], timeout: float, env: dict | None = None) -> bool:
+        t0 = time.monotonic()
+        try:
+            done = subprocess.run(
+                cmd,
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+            output, ok = done.stdout + done.stderr, done.returncode == 0
+            self.outcome = "pass" if ok else f"FAIL (exit {done.returncode})"
+        except subprocess.TimeoutExpired as exc:
+            output, ok = (exc.stdout or b"").decode(errors="replace"), False
+            self.outcome = f"FAIL (over {timeout:.0f} s)"
+        self.seconds = time.monotonic() - t0
+        lines = output.strip().splitlines()
+        self.tail = "\n".join(lines[-15:])
+        self.summary = lines[-1].strip("= ") if lines else ""
+        return ok
+
+    def line(self) -> str:
+        return f"{self.name:<34} {self.outcome:<22} {self.seconds:7.1f} s  {self.summary}"
+
+
+def probe() -> dict:
+    """What this interpreter's torch sees, without importing ddpcomm."""
+    code = (
+        "import json, torch\n"
+        "d = {'torch': torch.__version__, 'cuda': torch.version.cuda, 'gpu': None}\n"
+        "if torch.cuda.is_available():\n"
+        "    p = torch.cuda.get_device_properties(0)\n"
+        "    d.update(gpu=p.name, capability=f'{p.major}.{p.minor}',\n"
+        "             memory_gb=p.total_memory / 2**30)\n"
+        "print(json.dumps(d))\n"
+    )
+    done = subprocess.run([PY, "-c", code], capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"torch": None, "gpu": None, "why": done.stderr.strip().splitlines()[-1:]}
+    return json.loads(done.stdout)
+
+
+def has_xdist() -> bool:
+    return subprocess.run([PY, "-c", "import xdist"], capture_output=True).returncode == 0
+
+
+def pytest(files: list[str], parallel: bool) -> list[str]:
+    cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda", *files]
+    return cmd + (["-n", "8", "--dist", "loadfile"] if parallel else [])
+
+
+def kernels_table(path: str) -> list[str]:
+    """The bench's rows at 256 MB (and 64), as % of a device copy, with the targets."""
+    rows = json.load(open(path))["rows"]
+    lines = [f"{'op':<26}{'MB':>6}{'GB/s':>9}{'% of copy':>11}{'x torch':>9}  target"]
+    for r in rows:
+        target = ""
+        if r["op"] in COPY_TARGET and r["size_mb"] == 256:
+            want = COPY_TARGET[r["op"]]
+            met = r["pct_of_copy"] >= 100 * want
+            target = f">= {100 * want:.0f}% of copy: {'met' if met else 'MISSED'}"
+        if r["op"] == TOPK_TARGET[0] and r.get("speedup_vs_torch"):
+            met = r["speedup_vs_torch"] >= TOPK_TARGET[1]
+            target = f">= {TOPK_TARGET[1]:g}x torch.topk: {'met' if met else 'MISSED'}"
+        torch_x = r.get("speedup_vs_torch")
+        lines.append(
+            f"{r['op']:<26}{r['size_mb']:>6}{r['gbps']:>9.1f}{r['pct_of_copy']:>10.0f}%"
+            f"{torch_x if torch_x is None else round(torch_x, 1)!s:>9}  {target}"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="report path (default benchmarks/gpu/<card>.txt)")
+    parser.add_argument("--skip-build", action="store_true", help="use the build in place")
+    args = parser.parse_args(argv)
+
+    info = probe()
+    gpu = info.get("gpu")
+    build, tests = Step("build in place"), Step("CUDA tests (pytest -k cuda)")
+    sanitize = [Step(f"compute-sanitizer {tool}") for tool in SANITIZERS]
+    bench = Step("kernels bench, 64 and 256 MB")
+    steps = [build, tests, *sanitize, bench]
+    table: list[str] = []
+    if info.get("torch") is None:
+        for step in steps:
+            step.outcome = "skipped: no torch"
+    elif gpu is None:
+        # Without a GPU the build is still worth checking: the CPU ops, as CI builds them.
+        if not args.skip_build:
+            build.run([PY, "setup.py", "-q", "build_ext", "--inplace"], 900)
+        else:
+            build.outcome = "skipped: --skip-build"
+    else:
+        env = {"TORCH_CUDA_ARCH_LIST": info["capability"], "MAX_JOBS": str(os.cpu_count())}
+        if args.skip_build:
+            build.outcome = "skipped: --skip-build"
+        else:
+            build.run([PY, "setup.py", "-q", "build_ext", "--inplace"], 900, env)
+        if build.outcome.startswith(("pass", "skipped")):
+            pool = concurrent.futures.ThreadPoolExecutor(4)
+            with tempfile.TemporaryDirectory() as tmp, pool:
+                jobs = [pool.submit(tests.run, pytest(["tests"], has_xdist()), 720)]
+                for tool, step in zip(SANITIZERS, sanitize, strict=True):
+                    cmd = ["compute-sanitizer", "--tool", tool, "--error-exitcode", "1"]
+                    jobs.append(pool.submit(step.run, cmd + pytest(OP_TESTS, False), 720))
+                for job in jobs:
+                    job.result()
+                # Alone, after the rest: the GPU and its memory bus are the bench's.
+                out = os.path.join(tmp, "kernels.json")
+                cmd = [PY, "-m", "ddpcomm.bench", "kernels", "--device", "cuda"]
+                bench.run(cmd + ["--sizes", "64,256", "--ops", "all", "--out", out], 420)
+                table = kernels_table(out) if os.path.exists(out) else []
+        else:
+            for step in steps[1:]:
+                step.outcome = "skipped: build failed"
+
+    head = [
+        f"ddpcomm GPU check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"card: {gpu or 'none'}"
+        + (f" (sm {info['capability']}, {info['memory_gb']:.0f} GiB)" if gpu else ""),
+        f"torch {info.get('torch')} (CUDA {info.get('cuda')}), python {sys.version.split()[0]}",
+        "",
+        *[s.line() for s in steps],
+    ]
+    failures = [s for s in steps if s.outcome.startswith("FAIL")]
+    for s in failures:
+        head += ["", f"--- {s.name}: last lines", s.tail]
+    if gpu is not None and bench.outcome == "pass":
+        head += ["", "kernels (GB/s of bytes read and written; % of a device-to-device copy)"]
+        head += table
+    report = "\n".join(head) + "\n"
+    print(report, end="")
+    if gpu is not None:
+        card = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-").lower()
+        path = args.out or os.path.join(ROOT, "benchmarks", "gpu", f"{card}.txt")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(report)
+        print(f"report: {os.path.relpath(path, ROOT)}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
