@@ -37,10 +37,12 @@ bench: all
 # On a machine with a GPU: builds in place for its card, runs the CUDA tests, compute-sanitizer
 # (memcheck, racecheck, synccheck) and the kernels bench, and writes benchmarks/gpu/<card>.txt.
 # It uses the machine's own python3 (no venv, no installs); without a GPU it skips those steps.
+# Where a command may run 10 minutes at most: GPU_CHECK="--only build", then "--only tests,sanitize",
+# then "--only bench" (the report keeps every step's last outcome).
 GPU_PYTHON ?= python3
 .PHONY: gpu-check
 gpu-check:
-	$(GPU_PYTHON) .ci/gpu_check.py
+	$(GPU_PYTHON) .ci/gpu_check.py $(GPU_CHECK)
 
 # Compiles every CUDA kernel file with plain nvcc (no torch headers, no GPU needed), and
 # syntax-checks every CUDA torch binding against the CPU wheel's headers (see below).

@@ -11,11 +11,14 @@ ddpcomm in place for the card it finds, then runs, each step with a deadline:
 - ``python -m ddpcomm.bench kernels --device cuda`` at 64 and 256 MB, last and alone.
 
 It writes ``benchmarks/gpu/<card>.txt``: pass/fail per step, then GB/s and % of a
-device-to-device copy per op, with the targets. Without a GPU (or without torch) every
+device-to-device copy per op, with the targets (and ``<card>.txt.json``, the same as
+data). ``--only`` runs some steps and keeps the others' last outcomes, for sessions whose
+commands are limited to 10 minutes (each step fits in 9). Without a GPU (or without torch) every
 step that needs one reports ``skipped: no GPU`` and no report file is written; the exit
 status is non-zero only when a step that ran failed.
 
-    python3 .ci/gpu_check.py            # or: make gpu-check
+    python3 .ci/gpu_check.py                        # or: make gpu-check
+    python3 .ci/gpu_check.py --only build           # then --only tests,sanitize, --only bench
 """
 
 from __future__ import annotations
@@ -120,74 +123,107 @@ def kernels_table(path: str) -> list[str]:
     return lines
 
 
+STEPS = ("build", "tests", "sanitize", "bench")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="report path (default benchmarks/gpu/<card>.txt)")
-    parser.add_argument("--skip-build", action="store_true", help="use the build in place")
+    parser.add_argument(
+        "--only",
+        default=",".join(STEPS),
+        help="comma-separated steps to run, of build, tests, sanitize, bench (default all); "
+        "the others keep their last outcome in the report, so a session whose commands are "
+        "limited to 10 minutes can run them in turn",
+    )
     args = parser.parse_args(argv)
+    only = set(args.only.split(","))
+    if not only <= set(STEPS):
+        parser.error(f"--only takes {', '.join(STEPS)}; got {args.only!r}")
 
     info = probe()
     gpu = info.get("gpu")
-    build, tests = Step("build in place"), Step("CUDA tests (pytest -k cuda)")
-    sanitize = [Step(f"compute-sanitizer {tool}") for tool in SANITIZERS]
-    bench = Step("kernels bench, 64 and 256 MB")
-    steps = [build, tests, *sanitize, bench]
-    table: list[str] = []
+    steps = {
+        "build": [Step("build in place")],
+        "tests": [Step("CUDA tests (pytest -k cuda)")],
+        "sanitize": [Step(f"compute-sanitizer {tool}") for tool in SANITIZERS],
+        "bench": [Step("kernels bench, 64 and 256 MB")],
+    }
+    (build,), (tests,), (bench,) = steps["build"], steps["tests"], steps["bench"]
+    table: list[str] | None = None
+    build_cmd = [PY, "setup.py", "-q", "build_ext", "--inplace"]
     if info.get("torch") is None:
-        for step in steps:
+        for step in sum(steps.values(), []):
             step.outcome = "skipped: no torch"
     elif gpu is None:
         # Without a GPU the build is still worth checking: the CPU ops, as CI builds them.
-        if not args.skip_build:
-            build.run([PY, "setup.py", "-q", "build_ext", "--inplace"], 900)
-        else:
-            build.outcome = "skipped: --skip-build"
+        if "build" in only:
+            build.run(build_cmd, 540)
     else:
-        env = {"TORCH_CUDA_ARCH_LIST": info["capability"], "MAX_JOBS": str(os.cpu_count())}
-        if args.skip_build:
-            build.outcome = "skipped: --skip-build"
+        if "build" in only:
+            env = {"TORCH_CUDA_ARCH_LIST": info["capability"], "MAX_JOBS": str(os.cpu_count())}
+            build.run(build_cmd, 540, env)
+        if build.outcome.startswith("FAIL"):
+            for step in sum(list(steps.values())[1:], []):
+                step.outcome = "skipped: build failed"
         else:
-            build.run([PY, "setup.py", "-q", "build_ext", "--inplace"], 900, env)
-        if build.outcome.startswith(("pass", "skipped")):
-            pool = concurrent.futures.ThreadPoolExecutor(4)
-            with tempfile.TemporaryDirectory() as tmp, pool:
-                jobs = [pool.submit(tests.run, pytest(["tests"], has_xdist()), 720)]
-                for tool, step in zip(SANITIZERS, sanitize, strict=True):
-                    cmd = ["compute-sanitizer", "--tool", tool, "--error-exitcode", "1"]
-                    jobs.append(pool.submit(step.run, cmd + pytest(OP_TESTS, False), 720))
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                jobs = []
+                if "tests" in only:
+                    jobs.append(pool.submit(tests.run, pytest(["tests"], has_xdist()), 540))
+                for tool, step in zip(SANITIZERS, steps["sanitize"], strict=True):
+                    if "sanitize" in only:
+                        cmd = ["compute-sanitizer", "--tool", tool, "--error-exitcode", "1"]
+                        jobs.append(pool.submit(step.run, cmd + pytest(OP_TESTS, False), 540))
                 for job in jobs:
                     job.result()
-                # Alone, after the rest: the GPU and its memory bus are the bench's.
-                out = os.path.join(tmp, "kernels.json")
-                cmd = [PY, "-m", "ddpcomm.bench", "kernels", "--device", "cuda"]
-                bench.run(cmd + ["--sizes", "64,256", "--ops", "all", "--out", out], 420)
-                table = kernels_table(out) if os.path.exists(out) else []
-        else:
-            for step in steps[1:]:
-                step.outcome = "skipped: build failed"
+            if "bench" in only:  # alone, after the rest: the GPU and its memory are the bench's
+                with tempfile.TemporaryDirectory() as tmp:
+                    out = os.path.join(tmp, "kernels.json")
+                    cmd = [PY, "-m", "ddpcomm.bench", "kernels", "--device", "cuda"]
+                    bench.run(cmd + ["--sizes", "64,256", "--ops", "all", "--out", out], 300)
+                    table = kernels_table(out) if os.path.exists(out) else []
+    for name, group in steps.items():
+        if name not in only and info.get("torch") is not None:
+            for step in group:
+                step.outcome = "not run (--only)"
+    record = {s.name: vars(s) for s in sum(steps.values(), []) if s.outcome != "not run (--only)"}
 
-    head = [
+    path = None
+    if gpu is not None:
+        card = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-").lower()
+        path = args.out or os.path.join(ROOT, "benchmarks", "gpu", f"{card}.txt")
+        previous = {}
+        if os.path.exists(path + ".json"):  # the steps of earlier --only runs on this card
+            with open(path + ".json") as f:
+                previous = json.load(f)
+        record = {**previous.get("steps", {}), **record}
+        table = previous.get("table", []) if table is None else table
+        for step in sum(steps.values(), []):
+            if step.name in record:
+                vars(step).update(record[step.name])
+    lines = [
         f"ddpcomm GPU check, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"card: {gpu or 'none'}"
         + (f" (sm {info['capability']}, {info['memory_gb']:.0f} GiB)" if gpu else ""),
         f"torch {info.get('torch')} (CUDA {info.get('cuda')}), python {sys.version.split()[0]}",
         "",
-        *[s.line() for s in steps],
+        *[s.line() for s in sum(steps.values(), [])],
     ]
-    failures = [s for s in steps if s.outcome.startswith("FAIL")]
+    failures = [s for s in sum(steps.values(), []) if s.outcome.startswith("FAIL")]
     for s in failures:
-        head += ["", f"--- {s.name}: last lines", s.tail]
-    if gpu is not None and bench.outcome == "pass":
-        head += ["", "kernels (GB/s of bytes read and written; % of a device-to-device copy)"]
-        head += table
-    report = "\n".join(head) + "\n"
+        lines += ["", f"--- {s.name}: last lines", s.tail]
+    if table:
+        lines += ["", "kernels (GB/s of bytes read and written; % of a device-to-device copy)"]
+        lines += table
+    report = "\n".join(lines) + "\n"
     print(report, end="")
-    if gpu is not None:
-        card = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-").lower()
-        path = args.out or os.path.join(ROOT, "benchmarks", "gpu", f"{card}.txt")
+    if path is not None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             f.write(report)
+        with open(path + ".json", "w") as f:
+            json.dump({"steps": record, "table": table}, f, indent=1)
         print(f"report: {os.path.relpath(path, ROOT)}")
     return 1 if failures else 0
 
