@@ -19,31 +19,45 @@ element on every rank, as much as an fp32 copy of the whole model's gradients, w
 FSDP otherwise never holds. ``residual_dtype=torch.bfloat16`` halves that (the residual
 is rounded to bf16 between steps); ``error_feedback=False`` removes it. The HSDP replica
 all-reduce adds a residual of the shard's size (1/N of that).
+
+Ranks agree before they reduce. At each parameter group's first reduce-scatter (and first
+replica all-reduce) every rank publishes what it is about to do (the method and its
+options, start_iter, min_numel, the step, the tensor's size, dtype and op) through the
+group's store (``ddpcomm.agreement``, as the DDP hooks do): ranks that differ raise the
+same ValueError naming the setting, and a rank that runs FSDP's own reduce-scatter (or
+no ddpcomm at all) is named after ``DDPCOMM_AGREEMENT_TIMEOUT`` seconds (default 10),
+instead of pairing a compressed collective with whatever that rank issues. ``compress``
+refuses what would reduce silently wrong: a ``replicate_group`` sharing ranks with the
+shard group, a model that already has a custom reduce-scatter (ddpcomm's or another),
+and one state for two models.
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _TorchReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from ddpcomm import collectives, reduce_scatter
-from ddpcomm.compressors import Compressor, NoCompression, check_int, parse
-from ddpcomm.context import (
-    ReduceContext,
-    ResidualMemory,
-    Stats,
-    Workspace,
-    verify_config,
-)
+from ddpcomm import agreement, collectives, reduce_scatter
+from ddpcomm.compressors import Compressor, NoCompression, check_int, parse, take_state_options
+from ddpcomm.context import ReduceContext, ResidualMemory, Stats, Workspace
 from ddpcomm.futures import completed
 
 RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
+# state_dict format. Checkpoints written before the field existed are version 1.
+VERSION = 1
+_SD_KEYS = ("config", "steps", "memory")
+# The hook states' options that FSDP2 has no use for: one reduction per parameter group
+# and backward has no DDP buckets to ramp or route.
+_DDP_ONLY_OPTIONS = ("ramp", "adaptive", "adaptive_every")
+_INT64_MAX = 2**63 - 1
 
 
 class _SharedWorkspace(Workspace):
@@ -93,7 +107,11 @@ class FSDPCompressionState:
     ``compress`` makes one and shares it among the comms it installs; a ``ReduceScatter``
     built from a spec makes its own. Arguments as ``ddpcomm.CompressionState``'s
     (``compression``, ``start_iter``, ``min_numel``, method ``**options``), plus
-    ``residual_dtype``: float32 (default) or bfloat16 error-feedback storage.
+    ``residual_dtype``: float32 (default) or bfloat16 error-feedback storage. A spec
+    string may carry ``start_iter`` and ``min_numel`` too (``"q2,start_iter=100"``);
+    ``start_iter`` and ``min_numel`` default to 0. DDP's ``ramp``, ``adaptive`` and
+    ``adaptive_every`` are refused: FSDP2 reduces each parameter group once per backward,
+    with no buckets to ramp or route.
     """
 
     __slots__ = (
@@ -106,22 +124,47 @@ class FSDPCompressionState:
         "_stats",
         "_rs_workspace",
         "_ar_workspace",
-        "_verified",
+        "_agreed",
         "_names",
+        "_model",
     )
 
     def __init__(
         self,
         compression: str | Compressor = "q8",
         *,
-        start_iter: int = 0,
-        min_numel: int = 0,
+        start_iter: int | None = None,
+        min_numel: int | None = None,
         residual_dtype: torch.dtype = torch.float32,
         **options,
     ) -> None:
+        given = {"start_iter": start_iter, "min_numel": min_numel}
+        ddp_only = [name for name in _DDP_ONLY_OPTIONS if name in options]
+        if ddp_only:
+            raise ValueError(
+                f"FSDP2 does not take {ddp_only[0]} (an option of the DDP hook states); "
+                f"FSDPCompressionState takes start_iter and min_numel, got {ddp_only[0]}="
+                f"{options[ddp_only[0]]!r}"
+            )
+        if isinstance(compression, str):
+            spec = compression
+            compression, spec_state = take_state_options(spec)
+            for name, value in spec_state.items():
+                if name not in given:
+                    raise ValueError(
+                        f"compression spec {spec!r}: FSDP2 does not take {name} (an option of "
+                        "the DDP hook states); FSDPCompressionState takes start_iter and "
+                        "min_numel"
+                    )
+                if given[name] is not None and given[name] != value:
+                    raise ValueError(
+                        f"{name} given both in the compression spec {spec!r} ({value!r}) and "
+                        f"as a keyword ({given[name]!r})"
+                    )
+                given[name] = value
         self.compressor = parse(compression, **options)
-        self.start_iter = check_int(start_iter, "start_iter", 0)
-        self.min_numel = check_int(min_numel, "min_numel", 0)
+        self.start_iter = check_int(_or_zero(given["start_iter"]), "start_iter", 0)
+        self.min_numel = check_int(_or_zero(given["min_numel"]), "min_numel", 0)
         if not isinstance(residual_dtype, torch.dtype):
             raise TypeError(f"residual_dtype must be a torch.dtype, got {residual_dtype!r}")
         if residual_dtype not in RESIDUAL_DTYPES:
@@ -136,11 +179,13 @@ class FSDPCompressionState:
         # buffers must not be shared.
         self._rs_workspace = _SharedWorkspace()
         self._ar_workspace = _SharedWorkspace()
-        self._verified: weakref.WeakSet = weakref.WeakSet()
+        # Process group -> keys whose first reduction the ranks agreed on.
+        self._agreed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._names = itertools.count()
+        self._model: weakref.ref | None = None  # the model ``compress`` installed this on
 
     def config(self) -> tuple:
-        """What every rank must agree on (checked at each group's first reduction)."""
+        """The settings a state_dict must match to be loaded."""
         return (
             *self.compressor.config(),
             self.start_iter,
@@ -160,12 +205,34 @@ class FSDPCompressionState:
     def reset_stats(self) -> None:
         self._stats.reset()
 
-    def _verify(self, group: dist.ProcessGroup, numel: int, device) -> None:
-        # At the first reduction on a group, compressed or not: ranks that disagree on
-        # start_iter or min_numel would otherwise issue different collectives.
-        if group not in self._verified:
-            verify_config(self.config(), numel, group, device)
-            self._verified.add(group)
+    def _agree(self, group: dist.ProcessGroup, key: str, tensor, call: str, **extra) -> None:
+        """At a parameter group's first reduction on ``group`` (again after
+        load_state_dict), compressed or not: every rank must reduce a tensor of the same
+        size, dtype and op the same way, or the collectives below pair with different
+        ones on the other ranks. Through the group's store (``ddpcomm.agreement``, as the
+        DDP hooks): a rank that runs FSDP's own reduce-scatter never publishes, and is
+        named after the agreement's deadline instead of at the group's timeout."""
+        done = self._agreed.setdefault(group, set())
+        if key in done:
+            return
+        fields = {"call": f"ddpcomm.fsdp {call}", **agreement.method_fields(self.compressor)}
+        if self.compressor.lossy:
+            # The lossless path ignores them: it is FSDP's own collective.
+            fields["start_iter"] = self.start_iter
+            fields["min_numel"] = self.min_numel
+            fields["step"] = self.steps.get(key, 0)
+        if self.compressor.error_feedback:
+            fields["residual_dtype"] = agreement.plain(self.residual_dtype)
+        fields.update(extra)
+        fields["numel"] = tensor.numel()
+        fields["dtype"] = agreement.plain(tensor.dtype)
+        agreement.agree(
+            group,
+            fields,
+            f"the first {call} of FSDP parameter group {key[3:]!r} (ddpcomm.fsdp)",
+            limit=agreement.hook_timeout(),
+        )
+        done.add(key)
 
     def _plain(self, key: str, numel: int) -> bool:
         return (
@@ -190,7 +257,7 @@ class FSDPCompressionState:
         reduces only the parameters that got gradients; residuals serve full calls only."""
         _check_pair(output, input, group)
         key = "rs:" + name
-        self._verify(group, input.numel(), input.device)
+        self._agree(group, key, input, "reduce-scatter", op=_op_name(op))
         ctx = ReduceContext(
             group=group,
             key=key,
@@ -235,18 +302,21 @@ class FSDPCompressionState:
         """Step counters, residuals and config: resuming continues bitwise. Load it into
         a state of the same config, installed on the same model, before its first step."""
         return {
+            "version": VERSION,
             "config": self.config(),
             "steps": dict(self.steps),
             "memory": self.memory.state_dict(),
         }
 
     def load_state_dict(self, sd: dict) -> None:
-        if tuple(sd["config"]) != self.config():
-            raise ValueError(
-                f"state_dict was saved with config {sd['config']}, this state has {self.config()}"
-            )
-        self.steps = dict(sd["steps"])
-        self.memory.load_state_dict(sd["memory"])
+        """Restores a ``state_dict``. Raises, loading nothing, for another config's or a
+        malformed one (naming the field): a checkpoint is either resumed bitwise or
+        refused, never partly dropped. The ranks agree again at the next reduction of
+        each parameter group, so one rank resuming from another step is an error."""
+        steps, memory = _validate(sd, self.config(), self.residual_dtype)
+        self.steps = steps
+        self.memory.load_state_dict(memory)
+        self._agreed = weakref.WeakKeyDictionary()
 
     def __getstate__(self) -> dict:
         return {
@@ -272,6 +342,84 @@ class FSDPCompressionState:
             f"{type(self).__name__}({self.compressor!r}, start_iter={self.start_iter}, "
             f"min_numel={self.min_numel}, residual_dtype={self.residual_dtype})"
         )
+
+
+def _or_zero(value):
+    return 0 if value is None else value
+
+
+def _op_name(op) -> str:
+    kind = getattr(op, "op", op)  # ReduceOp.PREMUL_SUM(f) holds its RedOpType
+    return getattr(kind, "name", str(kind))
+
+
+def _validate(sd, config: tuple, residual_dtype: torch.dtype) -> tuple[dict, dict]:
+    """(steps, memory) of a well-formed FSDPCompressionState state_dict saved with
+    ``config``; otherwise a TypeError (not a dict) or a ValueError naming the field."""
+    if not isinstance(sd, Mapping):
+        raise TypeError(
+            "state_dict must be a dict from FSDPCompressionState.state_dict(), got "
+            f"{type(sd).__name__}"
+        )
+    missing = [k for k in _SD_KEYS if k not in sd]
+    unknown = [k for k in sd if k not in ("version", *_SD_KEYS)]
+    if missing or unknown:
+        raise ValueError(
+            f"not an FSDPCompressionState state_dict: missing {missing}, unknown {unknown} "
+            f"(it has 'version', {', '.join(map(repr, _SD_KEYS))})"
+        )
+    version = sd.get("version", 1)
+    if type(version) is not int or version != VERSION:
+        raise ValueError(
+            f"state_dict['version'] must be {VERSION} (the format this ddpcomm reads), "
+            f"got {version!r}"
+        )
+    if not isinstance(sd["config"], (tuple, list)):
+        raise ValueError(f"state_dict['config'] must be a tuple, got {sd['config']!r}")
+    if tuple(sd["config"]) != config:
+        raise ValueError(
+            f"state_dict was saved with config {tuple(sd['config'])}, this state has {config}"
+        )
+    if not isinstance(sd["steps"], Mapping):
+        raise ValueError(f"state_dict['steps'] must be a dict, got {type(sd['steps']).__name__}")
+    steps = {}
+    for key, value in sd["steps"].items():
+        if not (isinstance(key, str) and key[:3] in ("rs:", "ar:")):
+            raise ValueError(
+                f"state_dict['steps'] keys must be 'rs:<group>' or 'ar:<group>', got {key!r}"
+            )
+        try:
+            steps[key] = check_int(value, f"state_dict['steps'][{key!r}]", 0, _INT64_MAX)
+        except TypeError as exc:  # a bool or a float: malformed, like the rest
+            raise ValueError(str(exc)) from None
+    memory = sd["memory"]
+    if not (
+        isinstance(memory, Mapping)
+        and isinstance(memory.get("buffers"), Mapping)
+        and isinstance(memory.get("signatures"), Mapping)
+    ):
+        raise ValueError("state_dict['memory'] must be a dict with 'buffers' and 'signatures'")
+    for key, buf in memory["buffers"].items():
+        field = f"state_dict['memory']['buffers'][{key!r}]"
+        name = key[1] if isinstance(key, tuple) and len(key) == 2 else None
+        if not (isinstance(name, str) and name[:3] in ("rs:", "ar:")):
+            raise ValueError(f"{field}: keys must be (kind, 'rs:<group>' or 'ar:<group>')")
+        # The reduce-scatter's residuals are stored in residual_dtype; the replica
+        # all-reduce's are the DDP algorithms', always float32.
+        dtype = residual_dtype if name.startswith("rs:") else torch.float32
+        if not (isinstance(buf, torch.Tensor) and buf.dtype == dtype and buf.dim() == 1):
+            raise ValueError(f"{field} must be a 1-D {dtype} tensor, got {buf!r:.80}")
+        if not bool(torch.isfinite(buf).all()):
+            raise ValueError(
+                f"{field} holds NaN or Inf (a residual is reset after a non-finite step, "
+                "never saved so)"
+            )
+        if key not in memory["signatures"]:
+            raise ValueError(
+                f"state_dict['memory']['signatures'] has no entry for {key!r}: the residual "
+                "would be dropped at its first use"
+            )
+    return steps, memory
 
 
 def _check_pair(output, input, group) -> None:
@@ -397,7 +545,20 @@ class _ReplicaAllReduce:
         if group is None:
             raise RuntimeError("ddpcomm: the replicate process group was destroyed")
         flat = reduce_output
-        state._verify(group, flat.numel(), flat.device)
+        # The replicas must hold the same shard: the same place in shard groups of the
+        # same size (a replicate group across shard positions averages different
+        # parameters, which compress cannot see from one rank's groups alone).
+        mesh_info = self._param_group.mesh_info
+        factor = getattr(self._param_group, "gradient_divide_factor", None)
+        state._agree(
+            group,
+            self.key,
+            flat,
+            "HSDP replica all-reduce",
+            shard_rank=mesh_info.shard_mesh_rank,
+            shard_size=mesh_info.shard_mesh_size,
+            divide_factor=factor,
+        )
         ctx = ReduceContext(
             group=group,
             memory=state.memory,
@@ -412,7 +573,7 @@ class _ReplicaAllReduce:
         else:
             fut = collectives.all_reduce_mean(flat, state.compressor, ctx)
         fut.wait()
-        if getattr(self._param_group, "gradient_divide_factor", None) is not None:
+        if factor is not None:
             flat.mul_(dist.get_world_size(group))
         state.steps[self.key] = ctx.step + 1
 
@@ -464,6 +625,13 @@ def compress(
 
     Returns the shared ``FSDPCompressionState`` (``stats()``, ``state_dict()``).
 
+    Call it once per model, on every rank. Refused (ValueError), installing nothing: a
+    ``replicate_group`` holding two ranks of a module's shard group (it would average
+    different parameters' shards), a module that already has a custom reduce-scatter
+    (ddpcomm's from an earlier call, whose state would silently stop counting, or
+    another), and a state already installed on another model (residuals are keyed by
+    module name, which two models share).
+
     Example::
 
         mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("replicate", "shard"))
@@ -482,6 +650,14 @@ def compress(
         if options:
             raise ValueError("options cannot be combined with an FSDPCompressionState")
         state = compression
+        served = state._model() if state._model is not None else None
+        if served is not None and served is not model:
+            raise ValueError(
+                "this FSDPCompressionState already compresses another model (passed to an "
+                "earlier ddpcomm.fsdp.compress): two models sharing it would mix their "
+                "residuals and step counters, keyed by module name. Give each model its "
+                "own state, or compress the module holding both once"
+            )
     else:
         state = FSDPCompressionState(compression, **options)
     installs: list[tuple[FSDPModule, str, object]] = []
@@ -495,13 +671,67 @@ def compress(
                 "its own uncompressed replica all-reduce before any hook. Shard over the "
                 "1-D shard mesh and pass the replicate mesh as replicate_group."
             )
+        _check_installed(group, name, replicate is not None)
+        if replicate is not None:
+            _check_replicate(replicate, group, name)
         installs.append((module, name, group))
     for module, name, group in installs:
         layout = tuple(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
         module.set_custom_reduce_scatter(ReduceScatter(state, name=name, _layout=layout))
         if replicate is not None:
             module.set_all_reduce_hook(_ReplicaAllReduce(state, replicate, name, group))
+    state._model = weakref.ref(model)
     return state
+
+
+def _check_installed(param_group, name: str, hook: bool) -> None:
+    """Refuses to replace a reduce-scatter (or, with ``hook``, an all-reduce hook) that is
+    not FSDP's default: it would be dropped without a word. ddpcomm's own, from an
+    earlier compress, would leave that call's state counting nothing."""
+    comm = param_group._reduce_scatter_comm
+    if isinstance(comm, ReduceScatter):
+        raise ValueError(
+            f"module {name!r} is already compressed by ddpcomm ({comm!r}, from an earlier "
+            "ddpcomm.fsdp.compress or set_custom_reduce_scatter): compressing it again "
+            "would replace that comm, and its state's stats() and state_dict() would stay "
+            "empty. Keep using the state the first call returned; to change the method, "
+            "build and shard a new model and compress it once, or install "
+            "ddpcomm.fsdp.ReduceScatter(...) per module with set_custom_reduce_scatter"
+        )
+    if not isinstance(comm, DefaultReduceScatter):
+        raise ValueError(
+            f"module {name!r} already has a custom reduce-scatter "
+            f"({type(comm).__name__}) that ddpcomm.fsdp.compress would replace. Compress "
+            "the model before installing it, or install ddpcomm.fsdp.ReduceScatter(...) "
+            "on the other modules with set_custom_reduce_scatter"
+        )
+    existing = param_group._all_reduce_hook
+    if hook and existing is not None:
+        raise ValueError(
+            f"module {name!r} already has an all-reduce hook ({existing!r}) that "
+            "replicate_group's compressed replica all-reduce would replace"
+        )
+
+
+def _check_replicate(replicate: dist.ProcessGroup, param_group, name: str) -> None:
+    """Refuses a replicate group that holds two ranks of the module's shard group. The
+    replica all-reduce averages what its members hold: members of one shard group hold
+    different parameters' shards, so every rank would get the same wrong gradient and
+    nothing downstream would show it. Both groups' global ranks are known on every
+    rank; whether the replicas hold the same shard position is agreed at the first
+    all-reduce (``_ReplicaAllReduce``)."""
+    shard_ranks = dist.get_process_group_ranks(param_group.mesh_info.shard_process_group)
+    replicate_ranks = dist.get_process_group_ranks(replicate)
+    both = sorted(set(shard_ranks) & set(replicate_ranks))
+    if len(both) > 1:
+        raise ValueError(
+            f"replicate_group (global ranks {replicate_ranks}) must hold one rank of each "
+            f"shard group, but ranks {both} are also in the shard group of module "
+            f"{name!r} (global ranks {shard_ranks}): they hold shards of different parameters, "
+            "which the replica all-reduce would average. Pass the group of the ranks "
+            "holding this rank's shard: shard over mesh['shard'] of a 2-D mesh and pass "
+            "mesh['replicate']"
+        )
 
 
 __all__ = ["FSDPCompressionState", "ReduceScatter", "compress"]

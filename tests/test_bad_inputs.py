@@ -290,6 +290,73 @@ ROWS = [
      TypeError, "unflatten_into: flat must be a strided"),
     ("flatten", "sparse dest", lambda: ops.unflatten_into(_X, [torch.zeros(8).to_sparse()]),
      TypeError, r"unflatten_into: tensors\[0\] must be a strided"),
+    # FSDP2: state options in a spec, and FSDPCompressionState.load_state_dict
+    ("fsdp", "spec ramp", lambda: ddpcomm.fsdp.FSDPCompressionState("q8,ramp=10"), ValueError,
+     "FSDP2 does not take ramp"),
+    ("fsdp", "spec adaptive", lambda: ddpcomm.fsdp.FSDPCompressionState("q8,adaptive"),
+     ValueError, "FSDP2 does not take adaptive"),
+    ("fsdp", "spec adaptive_every", lambda: ddpcomm.fsdp.ReduceScatter(
+        "q8,adaptive_every=8"), ValueError, "FSDP2 does not take adaptive_every"),
+    ("fsdp", "keyword ramp", lambda: ddpcomm.fsdp.FSDPCompressionState("q8", ramp=10),
+     ValueError, "FSDP2 does not take ramp"),
+    ("fsdp", "spec and keyword", lambda: ddpcomm.fsdp.FSDPCompressionState(
+        "q8,start_iter=2", start_iter=3), ValueError, r"start_iter given both .* \(2\) .* \(3\)"),
+    ("fsdp", "spec min_numel -1", lambda: ddpcomm.fsdp.FSDPCompressionState("q8,min_numel=-1"),
+     ValueError, "min_numel must be >= 0, got -1"),
+    ("fsdp", "sd not a dict", lambda: ddpcomm.fsdp.FSDPCompressionState().load_state_dict([]),
+     TypeError, "state_dict must be a dict from FSDPCompressionState.state_dict()"),
+    ("fsdp", "sd empty", lambda: ddpcomm.fsdp.FSDPCompressionState().load_state_dict({}),
+     ValueError, r"missing \['config', 'steps', 'memory'\]"),
+    ("fsdp", "sd extra key", lambda: (s := ddpcomm.fsdp.FSDPCompressionState()).load_state_dict(
+        {**s.state_dict(), "iteration": 3}), ValueError, r"unknown \['iteration'\]"),
+    ("fsdp", "sd version 2", lambda: (s := ddpcomm.fsdp.FSDPCompressionState()).load_state_dict(
+        {**s.state_dict(), "version": 2}), ValueError, r"\['version'\] must be 1 .* got 2"),
+    ("fsdp", "sd config", lambda: ddpcomm.fsdp.FSDPCompressionState("q4").load_state_dict(
+        ddpcomm.fsdp.FSDPCompressionState("q8").state_dict()), ValueError, "saved with config"),
+    ("fsdp", "sd config str", lambda: (s := ddpcomm.fsdp.FSDPCompressionState()).load_state_dict(
+        {**s.state_dict(), "config": "q8"}), ValueError, r"\['config'\] must be a tuple"),
+    ("fsdp", "steps list", lambda: (s := ddpcomm.fsdp.FSDPCompressionState()).load_state_dict(
+        {**s.state_dict(), "steps": [3]}), ValueError, r"\['steps'\] must be a dict, got list"),
+    ("fsdp", "steps key", lambda: (s := ddpcomm.fsdp.FSDPCompressionState()).load_state_dict(
+        {**s.state_dict(), "steps": {0: 3}}), ValueError, "keys must be 'rs:<group>'"),
+    ("fsdp", "steps bool", lambda: (s := ddpcomm.fsdp.FSDPCompressionState()).load_state_dict(
+        {**s.state_dict(), "steps": {"rs:0": True}}), ValueError,
+     r"\['steps'\]\['rs:0'\] must be an int, got True"),
+    ("fsdp", "steps float", lambda: (s := ddpcomm.fsdp.FSDPCompressionState()).load_state_dict(
+        {**s.state_dict(), "steps": {"rs:0": 3.0}}), ValueError, "must be an int, got 3.0"),
+    ("fsdp", "steps -1", lambda: (s := ddpcomm.fsdp.FSDPCompressionState()).load_state_dict(
+        {**s.state_dict(), "steps": {"ar:0": -1}}), ValueError,
+     r"\['steps'\]\['ar:0'\] must be in \[0, 9223372036854775807\], got -1"),
+    ("fsdp", "steps 2**80", lambda: (s := ddpcomm.fsdp.FSDPCompressionState()).load_state_dict(
+        {**s.state_dict(), "steps": {"rs:0": 2**80}}), ValueError, r"must be in \[0, 9223"),
+    ("fsdp", "memory None", lambda: (s := ddpcomm.fsdp.FSDPCompressionState()).load_state_dict(
+        {**s.state_dict(), "memory": None}), ValueError, "'buffers' and 'signatures'"),
+    ("fsdp", "residual key", lambda: (s := ddpcomm.fsdp.FSDPCompressionState("q2"))
+     .load_state_dict({**s.state_dict(), "memory": {"buffers": {"rs:0": torch.zeros(3)},
+                                                    "signatures": {}}}), ValueError,
+     r"\['buffers'\]\['rs:0'\]: keys must be \(kind, 'rs:<group>'"),
+    ("fsdp", "residual float16", lambda: (s := ddpcomm.fsdp.FSDPCompressionState("q2"))
+     .load_state_dict({**s.state_dict(), "memory": {"buffers": {("rs", "rs:0"): torch.zeros(
+         3).half()}, "signatures": {("rs", "rs:0"): (1, 3)}}}), ValueError,
+     r"\('rs', 'rs:0'\)\] must be a 1-D torch.float32 tensor"),
+    ("fsdp", "residual 2-D", lambda: (s := ddpcomm.fsdp.FSDPCompressionState("q2"))
+     .load_state_dict({**s.state_dict(), "memory": {"buffers": {("rs", "rs:0"): torch.zeros(
+         3, 1)}, "signatures": {("rs", "rs:0"): (1, 3)}}}), ValueError, "must be a 1-D"),
+    ("fsdp", "residual not bf16", lambda: (s := ddpcomm.fsdp.FSDPCompressionState(
+        "q2", residual_dtype=torch.bfloat16)).load_state_dict({**s.state_dict(), "memory": {
+            "buffers": {("rs", "rs:0"): torch.zeros(3)}, "signatures": {("rs", "rs:0"): (1, 3)}}}),
+     ValueError, "must be a 1-D torch.bfloat16 tensor"),
+    ("fsdp", "residual int", lambda: (s := ddpcomm.fsdp.FSDPCompressionState("q2"))
+     .load_state_dict({**s.state_dict(), "memory": {"buffers": {("q", "ar:0"): torch.zeros(
+         3, dtype=torch.int32)}, "signatures": {("q", "ar:0"): (1, 3)}}}), ValueError,
+     "must be a 1-D torch.float32 tensor"),
+    ("fsdp", "residual inf", lambda: (s := ddpcomm.fsdp.FSDPCompressionState("q2"))
+     .load_state_dict({**s.state_dict(), "memory": {"buffers": {("rs", "rs:0"): torch.full(
+         (3,), float("inf"))}, "signatures": {("rs", "rs:0"): (1, 3)}}}), ValueError,
+     "holds NaN or Inf"),
+    ("fsdp", "no signature", lambda: (s := ddpcomm.fsdp.FSDPCompressionState("q2"))
+     .load_state_dict({**s.state_dict(), "memory": {"buffers": {("rs", "rs:0"): torch.zeros(
+         3)}, "signatures": {}}}), ValueError, r"\['signatures'\] has no entry for"),
 ]  # fmt: skip
 
 
