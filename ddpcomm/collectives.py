@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import math
 
 import torch
@@ -32,7 +33,7 @@ from ddpcomm.compressors import (
     TopK,
     dense_bytes,
 )
-from ddpcomm.context import ReduceContext, fingerprint
+from ddpcomm.context import ReduceContext
 from ddpcomm.futures import Future, completed, device_future, fail, join, resolve, then
 from ddpcomm.groups import all_gather_single, sequencer
 
@@ -444,8 +445,12 @@ def _empty(flat: torch.Tensor, ctx: ReduceContext) -> Future:
 
 
 def _bucket_int(key) -> int:
-    """An int64 naming the bucket, for the kernels' RNG keys."""
-    return key if isinstance(key, int) else fingerprint(("key", key))
+    """An int64 naming the bucket, for the kernels' RNG keys: the key itself, or a stable
+    digest of it (the same on every rank and in every process)."""
+    if isinstance(key, int):
+        return key
+    digest = hashlib.sha256(repr(("key", key)).encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
 
 
 def _fp32_scratch(ctx: ReduceContext, flat: torch.Tensor) -> torch.Tensor | None:

@@ -9,14 +9,12 @@ algorithms read top-down:
   in first-touch page faults than the kernel that fills it), and each bucket's
   ``LinkRate``: the rate its gloo all-gathers measured, agreed across ranks.
 - ``ReduceContext``: one call's group, bucket key, step and the three above.
-- ``verify_config``: ranks that disagree on the method fail on every rank, not hang.
 
 Futures live in ``futures.py``, process-group ordering in ``groups.py``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import threading
 import time
@@ -25,8 +23,6 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-
-from ddpcomm.groups import all_gather_single
 
 # --------------------------------------------------------------------------------------
 # Stats and per-bucket memory
@@ -307,37 +303,3 @@ class ReduceContext:
             return
         for buf in self.residuals:
             buf.masked_fill_(finite.logical_not(), 0.0)
-
-
-# --------------------------------------------------------------------------------------
-# Configuration agreement
-# --------------------------------------------------------------------------------------
-
-
-def fingerprint(config: tuple) -> int:
-    """A stable int64 digest of a configuration tuple (same on every rank and process)."""
-    digest = hashlib.sha256(repr(config).encode()).digest()
-    return int.from_bytes(digest[:8], "little", signed=True)
-
-
-def verify_config(config: tuple, numel: int, group: dist.ProcessGroup | None, device) -> None:
-    """Raises ValueError on every rank when ranks disagree on ``config`` or ``numel``.
-
-    One small blocking all_gather; callers run it once, at their first compressed step,
-    so a mismatch is a clear error everywhere instead of a hang or silent garbage.
-    """
-    pg = group if group is not None else dist.group.WORLD
-    world = dist.get_world_size(pg)
-    mine = torch.tensor([fingerprint(config), numel], dtype=torch.int64, device=device)
-    every = torch.empty(world * 2, dtype=torch.int64, device=device)
-    all_gather_single(every, mine, group=pg)
-    every = every.view(world, 2).cpu()
-    if not bool((every == every[0]).all()):
-        rows = [
-            f"rank {r}: config {int(every[r, 0]):#x}, numel {int(every[r, 1])}"
-            for r in range(world)
-        ]
-        raise ValueError(
-            "ddpcomm: ranks disagree on the compression configuration or bucket size "
-            f"(this rank: {config}, numel {numel}); " + "; ".join(rows)
-        )
