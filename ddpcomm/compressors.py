@@ -357,9 +357,16 @@ STATE_OPTIONS = ("start_iter", "min_numel", "ramp", "adaptive", "adaptive_every"
 _VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+class UnknownOptionError(ValueError, TypeError):
+    """An option that neither the method nor the hook states take. A ValueError, as every
+    other fault in spec text (a spec string, the launcher's or the environment's options),
+    and a TypeError, as Python's own for an unexpected keyword argument: one message
+    wherever the option was written, and code catching either class keeps working."""
+
+
 def _spec_value(key: str, text: str):
     """An option's value as written in a spec: true/false, an int, a float, a dtype name
-    (value_dtype) or a plain string (algorithm)."""
+    (value_dtype) or a plain string (algorithm), lower-cased like the method names."""
     low = text.strip().lower()
     if low in ("true", "false"):
         return low == "true"
@@ -375,23 +382,52 @@ def _spec_value(key: str, text: str):
     return low
 
 
-def split_spec(spec: str) -> tuple[str, dict]:
-    """``"q2,ramp=200,block_size=128"`` -> ``("q2", {"ramp": 200, "block_size": 128})``.
+def _value_text(value) -> str:
+    """An option's value written back as spec text: ``_spec_value`` reads it back as is."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return repr(value) if isinstance(value, float) else str(value)
 
-    A spec is the method (with its ``:R`` argument), then comma-separated options:
-    ``name=value``, or a bare ``name`` meaning ``name=true``.
+
+def split_options(text: str, where: str) -> dict:
+    """``"block_size=128,error_feedback"`` -> ``{"block_size": 128, "error_feedback": True}``.
+
+    The options part of a spec, and the one reader of option text everywhere (spec
+    strings, the launcher's ``--option``, ``DDPCOMM_OPTIONS``): ``name=value`` or a bare
+    ``name`` meaning ``name=true``, separated by commas; names are case-insensitive. A
+    malformed or repeated option raises ValueError beginning with ``where``.
     """
-    method, *parts = spec.split(",")
     options: dict = {}
-    for part in parts:
-        key, eq, text = part.strip().partition("=")
+    for part in text.split(","):
+        key, eq, value = part.strip().partition("=")
         key = key.strip().lower()
         if not key.isidentifier():
-            raise ValueError(f"compression spec {spec!r}: malformed option {part.strip()!r}")
+            raise ValueError(
+                f"{where}: malformed option {part.strip()!r}; options are name=value or a "
+                "bare name (meaning name=true), separated by commas"
+            )
         if key in options:
-            raise ValueError(f"compression spec {spec!r} gives option {key!r} twice")
-        options[key] = _spec_value(key, text) if eq else True
+            raise ValueError(f"{where} gives option {key!r} twice")
+        options[key] = _spec_value(key, value) if eq else True
+    return options
+
+
+def split_spec(spec: str, where: str | None = None) -> tuple[str, dict]:
+    """``"q2,ramp=200,block_size=128"`` -> ``("q2", {"ramp": 200, "block_size": 128})``.
+
+    A spec is the method (with its ``:R`` argument), then comma-separated options (see
+    :func:`split_options`). ``where`` names the spec in errors (default: the spec itself).
+    """
+    method, comma, rest = spec.partition(",")
+    options = split_options(rest, where or f"compression spec {spec!r}") if comma else {}
     return method.strip(), options
+
+
+def join_spec(method: str, options: dict) -> str:
+    """:func:`split_spec`'s inverse: ``("q8", {"block_size": 64})`` -> ``"q8,block_size=64"``."""
+    return ",".join([method, *(f"{k}={_value_text(v)}" for k, v in options.items())])
 
 
 def take_state_options(spec: str) -> tuple[str, dict]:
@@ -412,17 +448,76 @@ def merge_options(spec: str, spec_options: dict, options: dict) -> dict:
     return {**spec_options, **options}
 
 
-def _check_spec_options(spec: str, spec_options: dict, cls: type) -> None:
-    """A ValueError naming an option written in ``spec`` that neither ``cls`` nor the hook
-    states take (keyword options reach ``cls`` and raise its TypeError)."""
+def _method(method: str) -> tuple[type, tuple]:
+    """The class a spec's method names and its positional arguments: ``"q4"`` ->
+    ``(Quantizer, (4,))``, ``"topk:0.01"`` -> ``(TopK, (0.01,))``."""
+    name, colon, arg = method.partition(":")
+    name = name.strip().lower()
+    if name in ("topk", "randk"):
+        if not arg:
+            raise ValueError(f"compression spec {name!r} needs a ratio, e.g. '{name}:0.01'")
+        try:
+            ratio = float(arg)
+        except ValueError:
+            raise ValueError(f"ratio must be a number in (0, 1], got {arg!r}") from None
+        return (TopK if name == "topk" else RandomK), (ratio,)
+    if name not in ("none", "fp16", "bf16", "q8", "q4", "q2", "q1"):
+        raise ValueError(f"unknown compression spec {method!r}; known methods: {', '.join(SPECS)}")
+    if colon:
+        raise ValueError(f"compression spec {name!r} takes no ':' argument, got {arg!r}")
+    if name.startswith("q"):
+        return Quantizer, (int(name[1:]),)
+    if name == "none":
+        return NoCompression, ()
+    return CastCompression, (torch.float16 if name == "fp16" else torch.bfloat16,)
+
+
+def method_options(cls: type) -> tuple[str, ...]:
+    """The options of a method class: its constructor's arguments but the one the spec's
+    method sets itself (bits, ratio); the lossless and cast methods take none."""
+    if cls in (NoCompression, CastCompression):
+        return ()
     params = inspect.signature(cls.__init__).parameters
-    known = [p for p in params if p not in ("self", "bits", "ratio")]
-    for key in spec_options:
-        if key not in known:
-            raise ValueError(
-                f"compression spec {spec!r}: unknown option {key!r}; {cls.__name__} takes "
-                f"{', '.join(known)}; the hook states take {', '.join(STATE_OPTIONS)}"
-            )
+    return tuple(p for p in params if p not in ("self", "bits", "ratio"))
+
+
+def check_option(method: str | type, name: str, where: str) -> None:
+    """Raises UnknownOptionError, beginning with ``where`` (the text the option was
+    written in), when neither ``method`` (a spec's method, ``"q8"``, ``"topk:0.01"``, or a
+    method class) nor the hook states take the option ``name``: the one check, and the one
+    message, for options in a spec, given as keywords, on the launcher's command line or in
+    the environment."""
+    if isinstance(method, type):  # the class itself also takes what a spec's method sets
+        cls = method
+        known = tuple(p for p in inspect.signature(cls.__init__).parameters if p != "self")
+    else:
+        cls = _method(method)[0]
+        known = method_options(cls)
+    if name in known or name in STATE_OPTIONS:
+        return
+    takes = f"{cls.__name__} takes {', '.join(known)}" if known else "it takes no options"
+    label = cls.__name__ if isinstance(method, type) else repr(method.strip())
+    raise UnknownOptionError(
+        f"{where}: unknown option {name!r} for {label}; {takes}; the hook states "
+        f"take {', '.join(STATE_OPTIONS)}"
+    )
+
+
+def check_ramp(c: Compressor, ramp: int) -> list[Compressor]:
+    """The stages (``ramp_stages``) a hook state's ramp of ``ramp`` iterations steps
+    through; none for ``ramp=0``. A ramp > 0 needs at least one milder stage: q8, top-k and
+    random-k at 25% density or more, and the lossless and cast methods have none, and
+    running the method itself from the first step is not what a ramp asks for."""
+    if not ramp:
+        return []
+    stages = ramp_stages(c) if isinstance(c, (Quantizer, TopK, RandomK)) else []
+    if not stages:
+        raise ValueError(
+            f"ramp needs a method with a milder stage to step through (q4, q2, q1, or "
+            f"topk:R / randk:R with R below {RAMP_DENSITY_FACTOR}), got ramp={ramp} with "
+            f"{c.spec!r}; give ramp=0"
+        )
+    return stages
 
 
 def parse(spec: str | Compressor, **options) -> Compressor:
@@ -432,7 +527,8 @@ def parse(spec: str | Compressor, **options) -> Compressor:
     ``"topk:0.01,value_dtype=bfloat16"``; see :func:`split_spec`). A compressor object (of
     any ``Compressor`` subclass) passes through unchanged. Raises ValueError for an unknown
     spec (listing the known ones), a malformed argument or a hook state's option
-    (``start_iter``, ``min_numel``, ``ramp``), and TypeError for an unknown option.
+    (``start_iter``, ``min_numel``, ``ramp``), and UnknownOptionError (a ValueError and a
+    TypeError) listing the valid options for an unknown one, in the spec or as a keyword.
     """
     if isinstance(spec, Compressor):
         if options:
@@ -441,37 +537,19 @@ def parse(spec: str | Compressor, **options) -> Compressor:
     if not isinstance(spec, str):
         raise TypeError(f"compression must be a spec string or a Compressor, got {spec!r}")
     method, spec_options = split_spec(spec)
-    options = merge_options(spec, spec_options, options)
-    state_options = sorted(set(options) & set(STATE_OPTIONS))
+    merged = merge_options(spec, spec_options, options)
+    state_options = sorted(set(merged) & set(STATE_OPTIONS))
     if state_options:
         raise ValueError(
             f"{state_options} are settings of the hook state (ddpcomm.CompressionState), "
             f"not of the method {method!r}"
         )
-    name, colon, arg = method.partition(":")
-    name = name.lower()
-    if name in ("topk", "randk"):
-        if not arg:
-            raise ValueError(f"compression spec {name!r} needs a ratio, e.g. '{name}:0.01'")
-        try:
-            ratio = float(arg)
-        except ValueError:
-            raise ValueError(f"ratio must be a number in (0, 1], got {arg!r}") from None
-        cls = TopK if name == "topk" else RandomK
-        _check_spec_options(spec, spec_options, cls)
-        return cls(ratio, **options)
-    if name not in ("none", "fp16", "bf16", "q8", "q4", "q2", "q1"):
-        raise ValueError(f"unknown compression spec {spec!r}; known methods: {', '.join(SPECS)}")
-    if colon:
-        raise ValueError(f"compression spec {name!r} takes no ':' argument, got {arg!r}")
-    if name.startswith("q"):
-        _check_spec_options(spec, spec_options, Quantizer)
-        return Quantizer(bits=int(name[1:]), **options)
-    if options:
-        raise ValueError(f"compression {name!r} takes no options, got {sorted(options)}")
-    if name == "none":
-        return NoCompression()
-    return CastCompression(torch.float16 if name == "fp16" else torch.bfloat16)
+    cls, args = _method(method)
+    for name in spec_options:
+        check_option(method, name, f"compression spec {spec!r}")
+    for name, value in options.items():
+        check_option(method, name, f"keyword argument {name}={value!r}")
+    return cls(*args, **merged)
 
 
 # --------------------------------------------------------------------------------------

@@ -28,6 +28,8 @@ from ddpcomm.compressors import (
     TopK,
     check_float_tensor,
     check_int,
+    check_option,
+    check_ramp,
     default_schedule,
     parse,
     ramp_stages,
@@ -63,7 +65,9 @@ class CompressionState:
             runs 25%, 6.25%, 1.5625% density), the ``ramp`` iterations split evenly
             between them in order. The residuals carry across stages. None means the
             method's default (200 where ``start_iter``'s default is not 0, else 0). Give
-            ``start_iter=0, ramp=0`` to compress from the first iteration.
+            ``start_iter=0, ramp=0`` to compress from the first iteration. A method with
+            no milder stage (q8, the casts, top-k and random-k at 25% or more) refuses a
+            ramp > 0.
         adaptive: time the plain and the compressed path per bucket size class and send
             plain where compression does not pay (``ddpcomm.adaptive``). Off by default:
             with it, which buckets are compressed depends on measured speed, so two runs
@@ -141,7 +145,7 @@ class CompressionState:
         self.start_iter = check_int(_or(start_iter, default_start), "start_iter", 0)
         self.min_numel = check_int(min_numel, "min_numel", 0)
         self.ramp = check_int(_or(ramp, default_ramp), "ramp", 0)
-        self._stages = ramp_stages(self.compressor) if self.ramp else []
+        self._stages = check_ramp(self.compressor, self.ramp)
         self.process_group = process_group
         self.iteration = 0
         self.memory = ResidualMemory()
@@ -333,6 +337,8 @@ class _MethodState(CompressionState):
         adaptive_every: int = DEFAULT_EVERY,
         **options,
     ) -> None:
+        for name, value in options.items():
+            check_option(self.method, name, f"{type(self).__name__}({name}={value!r})")
         super().__init__(
             self.method(*args, **options),
             start_iter,

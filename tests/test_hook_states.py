@@ -243,10 +243,10 @@ def test_ramp_steps_through_milder_stages_in_order():
     assert ratios == [0.25**i for i in range(1, 5)]  # 25% ... 0.390625%, then 0.1%
     assert topk.compressor_at(99).ratio == 0.25**4 and topk.compressor_at(100).ratio == 0.001
     assert topk.compressor_at(0).value_dtype == torch.float16
-    # Nothing milder to step through: the method from the start.
+    # Nothing milder to step through: a ramp is refused, not ignored.
     for spec in ("q8", "topk:0.3"):
-        state = ddpcomm.CompressionState(spec, ramp=50)
-        assert state.compressor_at(0) is state.compressor
+        with pytest.raises(ValueError, match="ramp needs a method with a milder stage"):
+            ddpcomm.CompressionState(spec, ramp=50)
 
 
 @pytest.mark.parametrize(
