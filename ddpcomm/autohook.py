@@ -6,16 +6,24 @@ accelerate's and Lightning's) wraps ``DistributedDataParallel.__init__`` to call
 :func:`attach`, so that every DDP model gets ``ddpcomm.compress_hook`` with a
 ``CompressionState`` built from the environment:
 
-- ``DDPCOMM_COMPRESSION``: the spec string (``q8``, ``q4``, ``topk:0.01``, ...), required;
+- ``DDPCOMM_COMPRESSION``: the spec string (``q8``, ``q4``, ``topk:0.01``,
+  ``q8,block_size=64``, ...), required;
 - ``DDPCOMM_START_ITER``, ``DDPCOMM_MIN_NUMEL``: the state's own options;
-- ``DDPCOMM_OPTIONS``: the method's options, ``name=value`` separated by commas
+- ``DDPCOMM_OPTIONS``: more options, ``name=value`` separated by commas
   (``block_size=128,error_feedback=true``).
+
+All of it is spec text, read by ``compressors.split_spec`` and checked by building a
+``CompressionState``, as a spec string given to the API is. A setting given twice with
+different values (``DDPCOMM_COMPRESSION=q8,start_iter=5`` and ``DDPCOMM_START_ITER=7``) is
+an error naming both variables, never a silent choice. The launcher merges its command
+line over these variables (see ``ddpcomm.run``) and hands its command the result as one
+spec in ``DDPCOMM_COMPRESSION``.
 
 Rules. The hook is registered at the model's first forward, so a script that registers
 its own comm hook right after building DDP keeps it: ddpcomm then warns once that it is
 not installing its own. DDP's ``mixed_precision`` occupies the hook slot, so such a model
 is reported and left alone. At exit, rank 0 prints one ``ddpcomm:`` line per process with
-what compression did.
+the configuration and what compression did.
 """
 
 from __future__ import annotations
@@ -26,62 +34,125 @@ import os
 import sys
 import threading
 import warnings
+from typing import NamedTuple
+
+from ddpcomm import compressors
 
 ENV_COMPRESSION = "DDPCOMM_COMPRESSION"
 ENV_START_ITER = "DDPCOMM_START_ITER"
 ENV_MIN_NUMEL = "DDPCOMM_MIN_NUMEL"
 ENV_OPTIONS = "DDPCOMM_OPTIONS"
+ENV_VARIABLES = (ENV_COMPRESSION, ENV_OPTIONS, ENV_START_ITER, ENV_MIN_NUMEL)
 
 _STATES: list = []  # the states installed on global rank 0, for the exit summary
 _LOCK = threading.Lock()
 _CONFIG: dict | None = None  # from the environment, read at the first DDP model
 
-
-def _value(text: str):
-    """An option value from text: bool, int, float, a torch dtype name, or the string."""
-    low = text.strip().lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for cast in (int, float):
-        try:
-            return cast(low)
-        except ValueError:
-            pass
-    if low in ("float32", "float16", "bfloat16"):
-        import torch
-
-        return getattr(torch, low)
-    return text.strip()
+# Pieces of settings: (kind, place, text). kind "spec" is a spec string (the method and
+# its options), "options" is option text (name=value,...), any other kind is the name of
+# the one option whose value the text is. place is the piece as the user wrote it.
+Piece = tuple[str, str, str]
 
 
-def parse_options(text: str) -> dict:
-    """``"block_size=128,error_feedback=true"`` -> ``{"block_size": 128, ...}``."""
-    options = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, eq, value = item.partition("=")
-        if not eq or not name.strip():
-            raise ValueError(f"{ENV_OPTIONS}: expected name=value, got {item!r}")
-        options[name.strip()] = _value(value)
-    return options
+class Setting(NamedTuple):
+    value: object
+    place: str  # where it was given, as written: "--option block_size=64"
+
+
+class Resolved(NamedTuple):
+    spec: str  # the one spec string every process builds its CompressionState from
+    origins: str  # where each of its settings came from, for the startup line
+
+
+def settings(pieces: list[Piece], source: str, method_place: str) -> dict[str, Setting]:
+    """The settings one source gives (``source``: "on the command line", "in the
+    environment"), by name; the method's is ``"compression"``. Every piece is read by the
+    spec grammar. A setting given twice with different values is a ValueError naming both
+    places; the method must come from ``method_place`` (a spec), never as an option."""
+    found: dict[str, Setting] = {}
+    for kind, place, text in pieces:
+        if kind == "spec":
+            method, items = compressors.split_spec(text, where=place)
+            items = {"compression": method.lower(), **items}
+        else:
+            items = compressors.split_options(
+                text if kind == "options" else f"{kind}={text}", place
+            )
+            if kind != "options" and list(items) != [kind]:
+                raise ValueError(f"{place}: expected one value for {kind}, got {text!r}")
+            if "compression" in items:
+                given = found.get("compression")
+                also = f" (it is given by {given.place})" if given else ""
+                raise ValueError(
+                    f"{place}: the method is not an option; give it with {method_place}{also}"
+                )
+        for name, value in items.items():
+            seen = found.setdefault(name, Setting(value, place))
+            if type(seen.value) is not type(value) or seen.value != value:
+                raise ValueError(
+                    f"{name} is given twice {source}, with different values: {seen.place} "
+                    f"and {place}; give it once"
+                )
+    return found
+
+
+def environment_settings(environ=os.environ) -> dict[str, Setting]:
+    """The settings of the ``DDPCOMM_*`` variables (an empty variable counts as unset)."""
+    pieces = []
+    for kind, name in (
+        ("spec", ENV_COMPRESSION),
+        ("options", ENV_OPTIONS),
+        ("start_iter", ENV_START_ITER),
+        ("min_numel", ENV_MIN_NUMEL),
+    ):
+        text = environ.get(name, "")
+        if text.strip():
+            pieces.append((kind, f"{name}={text}", text))
+    return settings(pieces, "in the environment", ENV_COMPRESSION)
+
+
+def resolve(
+    command_line: dict[str, Setting], environment: dict[str, Setting], method_flags: str
+) -> Resolved:
+    """One configuration from two sources: per setting (the method, and each option by
+    name), the command line's over the environment's; the rest of the environment's stays.
+
+    Every option must be one the method takes (an option the environment gives for
+    another method than the one the command line picks is an error naming both, not
+    dropped), and the result must build a ``CompressionState``: a bad value raises here,
+    with where each setting came from. ``method_flags`` says where the method can be
+    given, for the error when it is given nowhere.
+    """
+    merged = {**environment, **command_line}
+    method = merged.pop("compression", None)
+    if method is None:
+        raise ValueError(f"no compression method: {method_flags}; e.g. {ENV_COMPRESSION}=q8")
+    for name, s in merged.items():
+        where = s.place if s.place == method.place else f"{s.place} (method from {method.place})"
+        compressors.check_option(method.value, name, where)
+    spec = compressors.join_spec(method.value, {k: s.value for k, s in merged.items()})
+    origins = []
+    for name, s in {"compression": method, **merged}.items():
+        over = environment.get(name) if name in command_line else None
+        origins.append(
+            f"{'method' if name == 'compression' else name} from {s.place}"
+            + (f" over {over.place}" if over is not None else "")
+        )
+    origins = ", ".join(origins)
+    from ddpcomm.hooks import CompressionState
+
+    try:
+        CompressionState(spec)  # validates every value
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{exc} (in {spec!r}: {origins})") from None
+    return Resolved(spec, origins)
 
 
 def config_from_env(environ=os.environ) -> dict:
     """The ``CompressionState`` arguments the environment asks for (checked by building
     one: a bad spec or option raises here, before any rank starts)."""
-    spec = environ.get(ENV_COMPRESSION)
-    if not spec:
-        raise ValueError(f"{ENV_COMPRESSION} is not set; e.g. {ENV_COMPRESSION}=q8")
-    config = {"compression": spec, **parse_options(environ.get(ENV_OPTIONS, ""))}
-    for env, arg in ((ENV_START_ITER, "start_iter"), (ENV_MIN_NUMEL, "min_numel")):
-        if environ.get(env):
-            try:
-                config[arg] = int(environ[env])
-            except ValueError:
-                raise ValueError(f"{env} must be an int, got {environ[env]!r}") from None
-    from ddpcomm.hooks import CompressionState
-
-    CompressionState(**config)  # validates every argument
-    return config
+    resolved = resolve({}, environment_settings(environ), f"{ENV_COMPRESSION} is not set")
+    return {"compression": resolved.spec}
 
 
 def attach(ddp) -> None:
@@ -132,9 +203,20 @@ def _register(ddp, config: dict) -> None:
             _STATES.append(state)
 
 
-def summary_line(states) -> str:
-    """One line: method, buckets compressed / plain, bytes sent vs plain, compression time."""
-    method = ", ".join(sorted({s.compressor.spec for s in states}))
+def summary_line(states, spec: str | None = None) -> str:
+    """One line: the configuration (``spec``, the resolved spec the states were built from,
+    with the warm-up and ramp they took by default), buckets compressed / plain, bytes
+    sent vs plain, compression time."""
+    method = spec or ", ".join(sorted({s.compressor.spec for s in states}))
+    given = compressors.split_spec(spec)[1] if spec else {}
+    first = states[0]  # the states of one process share its configuration
+    defaults = [
+        f"{name}={getattr(first, name)}"
+        for name in ("start_iter", "ramp")
+        if name not in given and getattr(first, name)
+    ]
+    if defaults:
+        method += f" (by default {', '.join(defaults)})"
     stats = [s.stats() for s in states]
     plain = sum(st["paths"].get("plain", 0) for st in stats)
     buckets = sum(st["calls"] for st in stats)
@@ -153,4 +235,4 @@ def _summary() -> None:
     with _LOCK:
         states, _STATES[:] = list(_STATES), []
     if states:
-        print(summary_line(states), file=sys.stderr, flush=True)
+        print(summary_line(states, _CONFIG["compression"]), file=sys.stderr, flush=True)
