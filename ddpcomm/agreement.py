@@ -19,19 +19,49 @@ into a clear error naming it.
 
 Keys are ``ddpcomm/agree/<seq>/<rank>`` in the group's store (already prefixed by the
 group's name), ``seq`` counting this process's checks on the group: ranks run checks in
-the same order as they issue the collectives, so they agree on it. After reading check
-``seq``, every rank has finished check ``seq - 1``, so each rank deletes its own key of the
-previous check: at most one key per rank and group stays behind.
+the same order as they issue the collectives, so they agree on it. The first rank to
+open a check also writes ``ddpcomm/agree/<seq>/open``, holding how many repeated steps
+(below) it had made. After reading check ``seq``, every rank has finished check
+``seq - 1``, so each rank deletes its own key of the previous check (rank 0 the open
+marker too): at most one key per rank and group stays behind.
+
+Repeated steps (``agree_repeated``: every ``ddpcomm.all_reduce`` call). A check writes to
+the store, and torch's FileStore appends every write and delete to its file for the
+group's lifetime (measured: about 200 bytes per check with 2 ranks), so a check per call
+would grow it without bound. A repeated step is checked in full:
+
+- the first time its signature (a digest of its fields) comes up on the group, or again
+  once it has left the ``CACHE_SIZE`` signatures the ranks last agreed on;
+- at the group's steps 1, 2, 4, 8, ... (on every rank alike), comparing also how many
+  steps of each kind, and in which order, each rank made since the previous check;
+- when a peer waits in the check this rank would take next, opened at or before the
+  step this rank is at (one read: the open marker). A peer that opened it at a later
+  step has only run ahead (async_op, or calls with nothing to send) and is met there.
+
+Otherwise it only reads the store. What this gives up, and what still catches it:
+
+- A rank makes a new step (or has its call refused) while the others repeat an agreed
+  one. A peer that arrives after it sees the open check, joins it and raises the same
+  ValueError. A peer that got there first is already in its collective, which pairs with
+  nothing: the new rank reports it missing at the group's timeout (RuntimeError, with a
+  warning after 10 s that says so), and the peer's collective fails in the backend at
+  its timeout (with ``async_op``, its next call joins the check and raises the
+  ValueError).
+- Ranks repeat different agreed steps (one skips or adds a call, or switches between two
+  agreed ones): nothing is seen before the collectives, which may return values that
+  differ across ranks, or abort in the backend (gloo aborts the process on a size
+  mismatch). The next check, at the latest when the group's step count doubles, raises a
+  ValueError on every rank naming how many steps of each kind each rank made since the
+  previous check.
 
 Waits. DDP hooks check their first iteration (see hooks.py) and give up after
 ``DDPCOMM_AGREEMENT_TIMEOUT`` seconds (default 10, at most the group's timeout): long
 enough for ranks that only started the step a little later, short enough to report a
 rank running DDP's default reduction long before the group's timeout. ``ddpcomm.all_reduce``
-checks every call and waits up to the group's timeout (a rank may legitimately reach a
-reduction of metrics long after another), with a warning naming the missing ranks after
-10 s. A rank that waits more than 2 s writes where it waits to the default group's store,
-so a peer's error can tell "waits in a ddpcomm check on another group" apart from "never
-entered ddpcomm".
+waits up to the group's timeout (a rank may legitimately reach a reduction of metrics long
+after another), with a warning naming the missing ranks after 10 s. A rank that waits
+more than 2 s writes where it waits to the default group's store, so a peer's error can
+tell "waits in a ddpcomm check on another group" apart from "never entered ddpcomm".
 """
 
 from __future__ import annotations
@@ -44,6 +74,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections import Counter, OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -56,6 +87,7 @@ DEFAULT_TIMEOUT = 10.0
 _WARN_AFTER = 10.0  # wrappers: warn about missing ranks after this long
 _WHERE_AFTER = 2.0  # publish where this rank waits once a wait takes this long
 _ABORT = "!"  # prefix of an abort marker; digests are hex
+CACHE_SIZE = 1024  # agreed signatures of repeated steps a group remembers
 
 
 def hook_timeout() -> float:
@@ -82,7 +114,20 @@ def _store(pg: dist.ProcessGroup):
 class Channel:
     """One process group's agreement keys: its store, this rank, the check counter."""
 
-    __slots__ = ("store", "rank", "world", "ranks", "timeout", "seq", "previous", "lock")
+    __slots__ = (
+        "store",
+        "rank",
+        "world",
+        "ranks",
+        "timeout",
+        "seq",
+        "previous",
+        "lock",
+        "agreed",
+        "steps",
+        "since",
+        "order",
+    )
 
     def __init__(self, pg: dist.ProcessGroup, store) -> None:
         self.store = store
@@ -94,6 +139,13 @@ class Channel:
         self.seq = 0
         self.previous: list[str] = []  # this rank's keys of the last check, to delete
         self.lock = threading.Lock()
+        # Repeated steps (agree_repeated): the signatures every rank agreed on, oldest
+        # first; the steps made; and those made since the last check, by label and as a
+        # running digest of their order. Equal on every rank while the ranks agree.
+        self.agreed: OrderedDict[str, None] = OrderedDict()
+        self.steps = 0
+        self.since: Counter[str] = Counter()
+        self.order = ""
 
     def who(self, group_ranks) -> str:
         """Global ranks, as users see them in logs."""
@@ -156,6 +208,56 @@ def agree(
             raise _mismatch(ch, base, fields, note, what, limit)
 
 
+def agree_repeated(
+    pg: dist.ProcessGroup,
+    fields: dict,
+    what: str,
+    *,
+    label: str,
+    note: str = "",
+    warn_after: float | None = None,
+) -> None:
+    """``agree`` for a step a program repeats many times (each ``ddpcomm.all_reduce``
+    call), checked in full only when it is new, at step counts 1, 2, 4, 8, ..., or when a
+    peer has a check open (see the module docstring for what that gives up). ``label``
+    names the step in the count of steps a check compares; it waits up to the group's
+    timeout. Raises as ``agree``.
+    """
+    ch = channel(pg)
+    if ch is None:
+        return
+    with ch.lock:
+        mine = digest(fields)
+        step = ch.steps + 1
+        scheduled = step & (step - 1) == 0  # a power of two: alike on every rank
+        if mine in ch.agreed and not scheduled and not _peer_waits(ch):
+            ch.agreed.move_to_end(mine)
+            ch.steps = step
+            ch.since[label] += 1
+            ch.order = hashlib.sha256((ch.order + mine).encode()).hexdigest()[:16]
+            return
+        checked = {
+            **fields,
+            "steps since the last check": {
+                "count": sum(ch.since.values()),
+                "each": dict(sorted(ch.since.items())),
+                "order": ch.order,
+            },
+        }
+        what = f"{what} (step {step} on this group)"
+        published = digest(checked)
+        base, values = _publish_and_read(ch, published, what, None, warn_after)
+        if any(v != published for v in values):
+            raise _mismatch(ch, base, checked, note, what, ch.timeout)
+        ch.agreed[mine] = None
+        ch.agreed.move_to_end(mine)
+        while len(ch.agreed) > CACHE_SIZE:
+            ch.agreed.popitem(last=False)
+        ch.steps = step
+        ch.since.clear()
+        ch.order = ""
+
+
 def exchange(pg: dist.ProcessGroup, value: str, what: str, *, limit: float) -> list[str]:
     """Every rank's ``value`` in group-rank order, through the store (a check in the same
     sequence as ``agree``: ranks must call it at the same point). Missing ranks after
@@ -181,6 +283,7 @@ def _publish_and_read(ch: Channel, mine: str, what: str, limit, warn_after):
     base = f"ddpcomm/agree/{seq}/"
     keys = [base + str(r) for r in range(ch.world)]
     got = ch.store.compare_set(keys[ch.rank], "", mine).decode()
+    _open(ch, seq)
     if got != mine:  # a peer gave up on this check before this rank arrived
         raise _abort_error(got)
     limit = ch.timeout if limit is None else min(limit, ch.timeout)
@@ -189,15 +292,40 @@ def _publish_and_read(ch: Channel, mine: str, what: str, limit, warn_after):
     for v in values:
         if v.startswith(_ABORT):
             raise _abort_error(v)
-    stale, ch.previous = ch.previous, [keys[ch.rank]]
-    for key in stale:
-        ch.store.delete_key(key)
+    _retire(ch, seq, keys[ch.rank])
     return base, values
+
+
+def _open_key(seq: int) -> str:
+    return f"ddpcomm/agree/{seq}/open"
+
+
+def _open(ch: Channel, seq: int) -> None:
+    """Marks check ``seq`` open with the repeated steps this rank has made (written by the
+    first rank to open it; a compare_set that finds the key writes nothing)."""
+    ch.store.compare_set(_open_key(seq), "", str(ch.steps))
+
+
+def _peer_waits(ch: Channel) -> bool:
+    """Whether a peer has opened this rank's next check at or before the repeated step
+    this rank is at: it waits for this rank there (a peer that made more steps runs ahead,
+    without a collective to hold it back or with async_op, and waits at a later step)."""
+    key = _open_key(ch.seq)
+    return ch.store.check([key]) and int(ch.store.get(key)) <= ch.steps
+
+
+def _retire(ch: Channel, seq: int, key: str) -> None:
+    """Deletes this rank's keys of the check before ``seq`` (every rank has read them)
+    and remembers ``key`` (and on rank 0 the open marker) of check ``seq`` for the next."""
+    stale, ch.previous = ch.previous, [key] + ([_open_key(seq)] if ch.rank == 0 else [])
+    for k in stale:
+        ch.store.delete_key(k)
 
 
 def refuse(pg: dist.ProcessGroup, error: BaseException, what: str) -> None:
     """A call refused on this rank (bad arguments): takes its turn in the check sequence
-    with an abort marker, so peers whose call was accepted fail at once, naming it."""
+    with an abort marker and opens it, so peers whose call was accepted fail naming it,
+    at once unless they repeat an agreed call and got to it first."""
     ch = channel(pg)
     if ch is None:
         return
@@ -207,9 +335,8 @@ def refuse(pg: dist.ProcessGroup, error: BaseException, what: str) -> None:
         key = f"ddpcomm/agree/{seq}/{ch.rank}"
         msg = f"ddpcomm: {what} was refused on {ch.who([ch.rank])}: {type(error).__name__}: {error}"
         ch.store.compare_set(key, "", _ABORT + msg)
-        stale, ch.previous = ch.previous, [key]
-        for k in stale:
-            ch.store.delete_key(k)
+        _open(ch, seq)  # peers repeating a step look here
+        _retire(ch, seq, key)
 
 
 # --------------------------------------------------------------------------------------
@@ -255,7 +382,7 @@ def _wait(ch: Channel, keys: list[str], what: str, limit: float, warn_after) -> 
                 warnings.warn(
                     f"ddpcomm: still waiting for {ch.who(missing)} at {what} after "
                     f"{stage:.0f} s (up to the group's timeout, {limit:.0f} s). "
-                    f"{_where(ch, missing)}",
+                    f"{_where(ch, missing)}{_repeated_hint(ch)}",
                     stacklevel=4,
                 )
     missing = _missing(ch, keys)
@@ -314,6 +441,18 @@ def _missing_message(ch: Channel, missing: list[int], what: str, limit: float) -
         "reduce over another process group (DDP built on a subgroup needs that group in "
         "the state too: ddpcomm.CompressionState(..., process_group=group)). If they are "
         f"only slower to get there, raise the limit with {TIMEOUT_ENV}=<seconds>."
+        + _repeated_hint(ch)
+    )
+
+
+def _repeated_hint(ch: Channel) -> str:
+    if not ch.agreed:
+        return ""
+    return (
+        " Or they repeat a ddpcomm.all_reduce call agreed on before while this rank makes "
+        "a new one: a repeated call is checked only at the group's calls 1, 2, 4, 8, ... "
+        "or when a check is already open as it starts, so a rank that got there first "
+        "waits in that call's collective."
     )
 
 

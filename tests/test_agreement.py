@@ -99,7 +99,7 @@ def _hook_cases():
         "seed": ("seed", spec("q4", stochastic=True, seed=1)),
         "start_iter": ("start_iter", quant(start_iter=1)),
         "min_numel": ("min_numel", quant(min_numel=10**6)),
-        "ramp": ("ramp", quant(ramp=3)),
+        "ramp": ("ramp", spec("q4", ramp=3)),  # q8 has no milder stage to ramp through
         "topk_ramp": ("ramp", spec("topk:0.01,ramp=5", "topk:0.01,ramp=6")),
         "iteration": ("iteration", loaded_iteration),
         "topk_ratio": ("compression", spec("topk:0.01", "topk:0.02")),
@@ -357,3 +357,156 @@ def test_wrapper_mismatches_fail_clearly_on_every_rank(world):
         assert out["error"] == "RuntimeError" and f"rank {odd} did not reach" in out["msg"], out
         assert out["secs"] < MISSING_TIMEOUT + 3
     assert results[odd]["vs_dist_all_reduce"]["error"] is not None  # gloo's own timeout
+
+
+# --------------------------------------------------------------------------------------
+# Wrappers: repeated calls are not all checked (the store stays small)
+# --------------------------------------------------------------------------------------
+
+
+def _store_file() -> str:
+    """The path of the FileStore under the default group's store (dist_utils uses one)."""
+    store = dist.distributed_c10d._get_default_store()
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store.path
+
+
+def _store_growth(rank, world):
+    """Bytes the store file grows by over two windows of one loop of q8 calls (after the
+    first 20): calls 21-320 and calls 321-1320."""
+    import os
+
+    import ddpcomm
+
+    g = _fresh_group(30.0)
+    t = torch.ones(1000)
+    sizes = []
+    for calls in (20, 300, 1000):
+        for _ in range(calls):
+            ddpcomm.all_reduce(t, "q8", group=g)
+        dist.barrier(g)  # gloo's barrier is a collective: it writes nothing to the store
+        sizes.append(os.path.getsize(_store_file()))
+    return [b - a for a, b in zip(sizes, sizes[1:], strict=False)]
+
+
+def _warm(g, odd, delay, late: str, switch):
+    """49 agreed q8 calls, then call 50: the odd rank calls ``switch`` (the others q8
+    again); the rank named by ``late`` ("odd" or "others") arrives ``delay`` s after the
+    rest."""
+    import ddpcomm
+
+    t = torch.ones(1000)
+    for _ in range(49):
+        ddpcomm.all_reduce(t, "q8", group=g)
+    if (late == "odd") == odd:
+        time.sleep(delay)
+    _STARTED[0] = time.monotonic()
+    return switch(t) if odd else ddpcomm.all_reduce(t, "q8", group=g)
+
+
+def _repeated_matrix(rank, world):
+    import ddpcomm
+
+    odd = rank == world - 1
+    results = {}
+
+    # The odd rank makes a new call (q4) where the others repeat q8, and arrives first:
+    # the others see its open check, join it, and every rank raises the ValueError.
+    g = _fresh_group(30.0)
+    results["new_call_others_later"] = _attempt(
+        lambda: _warm(g, odd, 0.5, "others", lambda t: ddpcomm.all_reduce(t, "q4", group=g))
+    )
+
+    # The same with async_op, the others first: their call 50 is issued (it pairs with
+    # nothing), and their call 51 joins the odd rank's check.
+    g = _fresh_group(MISSING_TIMEOUT)
+
+    def async_then_again():
+        t = torch.ones(1000)
+        for _ in range(49):
+            ddpcomm.all_reduce(t, "q8", group=g)
+        if odd:
+            time.sleep(0.5)
+            _STARTED[0] = time.monotonic()
+            ddpcomm.all_reduce(t, "q4", group=g)
+        else:
+            _STARTED[0] = time.monotonic()
+            ddpcomm.all_reduce(t, "q8", group=g, async_op=True)  # unchecked, never paired
+            time.sleep(1.0)  # the odd rank opens its check meanwhile
+            ddpcomm.all_reduce(t, "q8", group=g)
+
+    results["new_call_async_others_first"] = _attempt(async_then_again)
+
+    # Ranks repeat different calls they agreed on before (q8 sum and q8 mean, the same
+    # collectives): not seen at call 50, whose results differ across ranks; the check at
+    # call 64 raises on every rank, counting each rank's calls since call 32.
+    g = _fresh_group(30.0)
+    means = []
+
+    def different_repeats():
+        t = torch.full((1000,), float(rank))
+        ddpcomm.all_reduce(t.clone(), "q8", op="sum", group=g)  # call 1: both agreed
+        for call in range(2, 64):
+            x = t.clone()
+            op = "sum" if (odd and call == 50) else "mean"
+            ddpcomm.all_reduce(x, "q8", op=op, group=g)
+            if call == 50:
+                means.append(x[0].item())
+        _STARTED[0] = time.monotonic()
+        ddpcomm.all_reduce(t.clone(), "q8", group=g)  # call 64: checked
+
+    results["different_repeats"] = _attempt(different_repeats)
+    results["different_repeats"]["call_50"] = means
+
+    # The odd rank makes a new call and arrives last: the others are already in their
+    # collective. It names them at the group's timeout; their collective fails in gloo.
+    g = _fresh_group(MISSING_TIMEOUT)
+    results["new_call_odd_later"] = _attempt(
+        lambda: _warm(g, odd, 0.5, "odd", lambda t: ddpcomm.all_reduce(t, "q4", group=g))
+    )
+    return results
+
+
+def test_repeated_calls_keep_the_file_store_small():
+    """Before: every call wrote its check (about 200 bytes with 2 ranks: 60 kB for 300
+    calls). Now the checks at calls 32, 64, 128, 256, then 512, 1024 only."""
+    first, second = run_ranks(_store_growth, 2)[0]
+    assert 0 < first < 4 * 400, first  # 4 checks of about 250 bytes
+    assert 0 < second < 2 * 400, second  # 1000 calls, 2 checks
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mismatch_in_a_repeated_call(world):
+    results = run_ranks(_repeated_matrix, world, pg_timeout=60, timeout=300)
+    odd = world - 1
+    for rank, res in enumerate(results):
+        out = res["new_call_others_later"]
+        assert out["error"] == "ValueError", (rank, out)
+        assert "ranks disagree" in out["msg"] and "compression:" in out["msg"], out
+        assert f"rank {odd} " in out["msg"] and "(step 50 on this group)" in out["msg"], out
+        assert out["secs"] < DEADLINE, (rank, out["secs"])
+
+        out = res["new_call_async_others_first"]
+        assert out["error"] == "ValueError" and "compression:" in out["msg"], (rank, out)
+        assert out["secs"] < DEADLINE, (rank, out["secs"])
+
+        # What the cache gives up: call 50 ran unchecked, its results differ across ranks.
+        out = res["different_repeats"]
+        mean = sum(range(world)) / world
+        assert out["call_50"] == [mean * world if rank == odd else mean], (rank, out)
+        assert out["error"] == "ValueError", (rank, out)
+        assert "(step 64 on this group)" in out["msg"], out
+        counts = '{"count": 31, "each": {"all_reduce(q8, op=mean, float32[1000])": 31}'
+        assert "steps since the last check: rank" in out["msg"] and counts in out["msg"], out
+        assert '"all_reduce(q8, op=sum, float32[1000])": 1' in out["msg"], out  # call 50
+
+    for rank in range(odd):
+        # In their collective when the odd rank opened its check: gloo's timeout.
+        out = results[rank]["new_call_odd_later"]
+        assert out["error"] == "RuntimeError" and "Timed out" in out["msg"], (rank, out)
+        assert out["secs"] < MISSING_TIMEOUT + 3, (rank, out["secs"])
+    out = results[odd]["new_call_odd_later"]
+    assert out["error"] == "RuntimeError" and "did not reach" in out["msg"], out
+    assert "repeat a ddpcomm.all_reduce call agreed on before" in out["msg"], out
+    assert out["secs"] < MISSING_TIMEOUT + 3, out["secs"]

@@ -128,6 +128,28 @@ ROWS = [
     ("spec", "fp16 opts", lambda: compressors.parse("fp16", block_size=64), ValueError, "no opt"),
     ("spec", "object+opts", lambda: compressors.parse(Quantizer(), bits=4), ValueError, "opt"),
     ("spec", "unknown opt", lambda: compressors.parse("q8", bitz=4), TypeError, "bitz"),
+    # One message for an unknown option, in the spec or as a keyword, listing the valid
+    # ones (UnknownOptionError is a ValueError and a TypeError)
+    ("spec", "unknown opt kw", lambda: compressors.parse("q8", blocksize=128), ValueError,
+     "keyword argument blocksize=128: unknown option 'blocksize' for 'q8'; Quantizer takes "
+     "block_size, stochastic"),
+    ("spec", "unknown opt in spec", lambda: compressors.parse("q8,blocksize=128"), TypeError,
+     "compression spec 'q8,blocksize=128': unknown option 'blocksize' for 'q8'; Quantizer"),
+    ("spec", "unknown opt state kw", lambda: ddpcomm.CompressionState("topk:0.1", blocksize=1),
+     ValueError, "unknown option 'blocksize' for 'topk:0.1'; TopK takes approximate"),
+    ("spec", "empty option", lambda: compressors.parse("q8,,seed=1"), ValueError,
+     "malformed option ''"),
+    # A ramp needs a milder stage to step through
+    ("spec", "q8 ramp", lambda: ddpcomm.CompressionState("q8,ramp=5"), ValueError,
+     r"ramp needs a method with a milder stage .*got ramp=5 with 'q8'"),
+    ("spec", "q8 ramp kw", lambda: ddpcomm.QuantizeState(8, ramp=5), ValueError,
+     "got ramp=5 with 'q8'"),
+    ("spec", "topk:0.3 ramp", lambda: ddpcomm.CompressionState("topk:0.3", ramp=1), ValueError,
+     "got ramp=1 with 'topk:0.3'"),
+    ("spec", "randk:0.25 ramp", lambda: ddpcomm.CompressionState("randk:0.25,ramp=9"),
+     ValueError, "ramp needs a method with a milder stage"),
+    ("spec", "none ramp", lambda: ddpcomm.CompressionState("none,ramp=5"), ValueError,
+     "ramp needs a method with a milder stage"),
     # Quantizer options
     ("quantizer", "bits 3", lambda: Quantizer(3), ValueError, "bits must be one of 1, 2, 4, 8"),
     ("quantizer", "bits 8.0", lambda: Quantizer(8.0), TypeError, "bits must be an int"),
@@ -210,6 +232,27 @@ ROWS = [
     ("env", "timeout 0", _env("0"), ValueError, "must be > 0"),
     ("env", "timeout -1", _env("-1"), ValueError, "must be > 0"),
     ("env", "timeout nan", _env("nan"), ValueError, "must be > 0"),
+    # The launcher's variables: one grammar, contradictions named
+    ("env", "no method", lambda: __import__("ddpcomm.autohook").autohook.config_from_env(
+        {"DDPCOMM_OPTIONS": "seed=1"}), ValueError, "DDPCOMM_COMPRESSION is not set"),
+    ("env", "given twice", lambda: __import__("ddpcomm.autohook").autohook.config_from_env(
+        {"DDPCOMM_COMPRESSION": "q8,start_iter=5", "DDPCOMM_START_ITER": "7"}), ValueError,
+     "start_iter is given twice in the environment, with different values: "
+     "DDPCOMM_COMPRESSION=q8,start_iter=5 and DDPCOMM_START_ITER=7"),
+    ("env", "method as option", lambda: __import__("ddpcomm.autohook").autohook.config_from_env(
+        {"DDPCOMM_COMPRESSION": "q8", "DDPCOMM_OPTIONS": "compression=q4"}), ValueError,
+     "DDPCOMM_OPTIONS=compression=q4: the method is not an option"),
+    ("env", "unknown option", lambda: __import__("ddpcomm.autohook").autohook.config_from_env(
+        {"DDPCOMM_COMPRESSION": "q8", "DDPCOMM_OPTIONS": "blocksize=128"}), ValueError,
+     "DDPCOMM_OPTIONS=blocksize=128 .*unknown option 'blocksize' for 'q8'; Quantizer takes"),
+    ("env", "start_iter abc", lambda: __import__("ddpcomm.autohook").autohook.config_from_env(
+        {"DDPCOMM_COMPRESSION": "q8", "DDPCOMM_START_ITER": "abc"}), TypeError,
+     "start_iter must be an int, got 'abc'"),
+    ("env", "launcher twice", lambda: __import__("ddpcomm.run").run.environment(
+        __import__("ddpcomm.run").run.build_parser().parse_args(
+            ["--compression", "q8", "--option", "start_iter=5", "--start-iter", "7", "true"]),
+        {}), ValueError, "start_iter is given twice on the command line, with different "
+     "values: --option start_iter=5 and --start-iter 7"),
     # Native ops: a bool where an int goes (the dispatcher takes True for 1)
     ("ops", "bits True", lambda: ops.quantize(_Y, None, True, 64), TypeError,
      "quantize: bits must be an int, got True"),
@@ -398,6 +441,10 @@ GROUP_ROWS = [
     ("wrappers", "MAX lossy", lambda: ddpcomm.all_reduce(_X, "q8", op=dist.ReduceOp.MAX),
      ValueError, "not supported by lossy"),
     ("wrappers", "spec", lambda: ddpcomm.all_reduce(_X, "q3"), ValueError, "known methods"),
+    ("wrappers", "spec option", lambda: ddpcomm.all_reduce(_X, "q8,blocksize=64"), ValueError,
+     "unknown option 'blocksize' for 'q8'; Quantizer takes block_size"),
+    ("wrappers", "state option", lambda: ddpcomm.all_reduce(_X, "q4,ramp=5"), ValueError,
+     "settings of the hook state"),
     ("wrappers", "compression int", lambda: ddpcomm.all_reduce(_X, 8), TypeError, "compression"),
     ("wrappers", "EF object", lambda: ddpcomm.all_reduce(_X, Quantizer(2)), ValueError,
      "error_feedback on"),
@@ -422,17 +469,18 @@ GROUP_ROWS = [
 
 # The count per category may only grow.
 EXPECTED_AT_LEAST = {
-    "spec": 19,
+    "spec": 28,
     "quantizer": 14,
     "sparse": 10,
     "state": 9,
     "state_dict": 12,
     "hooks": 5,
-    "env": 4,
-    "wrappers": 31,
+    "env": 10,
+    "wrappers": 33,
     "ops": 20,
     "payloads": 12,
     "flatten": 6,
+    "fsdp": 26,
 }
 
 

@@ -14,6 +14,7 @@ per tensor for N <= 2 and for integers at any N, and to float rounding per tenso
 from __future__ import annotations
 
 import doctest
+import time
 
 import pytest
 import torch
@@ -246,6 +247,66 @@ def _assert_ranks_identical(results):
 @pytest.mark.parametrize("world", WORLDS)
 def test_wrappers_on_gloo(world):
     _assert_ranks_identical(run_ranks(_rank_body, world))
+
+
+# --------------------------------------------------------------------------------------
+# Repeated calls: checked through the store once per signature and group, then at calls
+# 1, 2, 4, 8, ... (the failures this leaves are tested in tests/test_agreement.py)
+# --------------------------------------------------------------------------------------
+
+
+def _repeated_body(rank, world):
+    import ddpcomm
+    from ddpcomm import agreement
+
+    g = dist.new_group(list(range(world)))
+    mean = 0.75 * (world + 1) / 2  # of 0.75 * (rank + 1): exact in every method below
+    for _ in range(70 // 3 + 1):
+        t = torch.full((1000,), 0.75 * (rank + 1))
+        ddpcomm.all_reduce(t, "q8", group=g)
+        assert torch.equal(t, torch.full_like(t, mean))
+        ts = [torch.full((3,), 0.75 * (rank + 1)), torch.full((4,), rank + 1, dtype=torch.int32)]
+        ddpcomm.all_reduce_coalesced(ts, "none", op="sum", group=g)
+        assert torch.equal(ts[0], torch.full((3,), mean * world))
+        assert torch.equal(ts[1], torch.full((4,), world * (world + 1) // 2, dtype=torch.int32))
+        t = torch.full((10,), 0.75 * (rank + 1), dtype=torch.float16)
+        ddpcomm.all_reduce(t, "fp16", group=g, async_op=True).wait()
+        assert torch.equal(t, torch.full_like(t, mean))
+    ch = agreement.channel(g)
+    # 72 calls of 3 kinds: checked when new (calls 1-3) and at calls 4, 8, 16, 32, 64.
+    assert (ch.steps, ch.seq, len(ch.agreed)) == (72, 8, 3), (ch.steps, ch.seq)
+
+    # Per group: a signature agreed on g is checked again on another group, and a
+    # mismatch there is refused on every rank.
+    g2 = dist.new_group(list(range(world)))
+    odd = rank == world - 1
+    with pytest.raises(ValueError, match="ranks disagree.*compression:"):
+        ddpcomm.all_reduce(torch.ones(1000), "q4" if odd else "q8", group=g2)
+
+    # No false alarm from a rank that runs ahead: lossy calls of empty tensors send
+    # nothing, so rank 0 reaches each scheduled check (and opens it) while the others
+    # still repeat earlier calls; they must not join it before their own step gets there.
+    g4 = dist.new_group(list(range(world)))
+    if rank:
+        time.sleep(0.3)
+    for _ in range(200):
+        ddpcomm.all_reduce(torch.ones(0), "q8", group=g4)
+    assert agreement.channel(g4).seq == 8  # steps 1, 2, 4, ..., 128
+
+    # A signature evicted from the cache is new again, alike on every rank.
+    g3 = dist.new_group(list(range(world)))
+    size, agreement.CACHE_SIZE = agreement.CACHE_SIZE, 2
+    try:
+        for n in (100, 200, 300) * 3:
+            ddpcomm.all_reduce(torch.ones(n), "q8", group=g3)
+    finally:
+        agreement.CACHE_SIZE = size
+    assert agreement.channel(g3).seq == 9
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_repeated_calls_are_checked_once_per_signature(world):
+    run_ranks(_repeated_body, world)
 
 
 # --------------------------------------------------------------------------------------
