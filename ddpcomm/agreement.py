@@ -437,7 +437,8 @@ def _missing_message(ch: Channel, missing: list[int], what: str, limit: float) -
     return (
         f"ddpcomm: {ch.who(missing)} did not reach {what} within {limit:.0f} s "
         f"({ch.who(present)} did). {_where(ch, missing)} Likely causes: those ranks run "
-        "DDP's default reduction or another comm hook, call a different collective, or "
+        "DDP's default reduction or another comm hook, FSDP2's own reduce-scatter "
+        "(ddpcomm.fsdp.compress not called there), call a different collective, or "
         "reduce over another process group (DDP built on a subgroup needs that group in "
         "the state too: ddpcomm.CompressionState(..., process_group=group)). If they are "
         f"only slower to get there, raise the limit with {TIMEOUT_ENV}=<seconds>."
