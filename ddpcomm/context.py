@@ -96,15 +96,40 @@ class ResidualMemory:
     """fp32 error-feedback buffers keyed by (kind, bucket key).
 
     A buffer is handed out zeroed when first asked for, and again whenever the bucket's
-    numel or signature changes: DDP rebuilds its buckets after the first iteration, and a
-    residual laid out for the old bucket would add errors to the wrong parameters.
+    numel or signature (its parameters' shapes, in bucket order) changes: a residual laid
+    out for another bucket would add errors to the wrong parameters.
+
+    A residual is per element, so it is per parameter too. When the caller says which
+    parameters a key's bucket holds (``place``, by the ordinals of ``ddpcomm.layout``; the
+    DDP hooks do), a bucket laid out anew (DDP's rebuild after its first iteration, a run
+    resumed with another ``bucket_cap_mb``) takes over each of its parameters' residual from
+    the bucket that held it instead of starting from zero, so the error-feedback invariant
+    (N * sum(outputs) + sum(residuals) = sum(inputs), over ranks) holds across the change.
+    ``end_iteration`` then drops what no bucket of the iteration used: a ``state_dict``
+    holds live residuals only.
+
+    The two-phase quantizer's owner residual ("q_owner") covers this rank's chunk of the
+    bucket, and chunks move with the bucket's size: most of its elements land in other
+    ranks' chunks. So it is not carried as it is: on a layout change its elements are added
+    to this rank's whole-bucket residual ("q") at the same parameters, and the new owner
+    residual starts from zero. Both count once in the invariant, and the next step feeds
+    "q" into the sum the owners reduce: the same mass, in the same sum.
     """
 
-    __slots__ = ("buffers", "signatures")
+    # Kinds that cover a part of the bucket -> the whole-bucket kind their elements fold
+    # into on a layout change (see the class docstring).
+    PARTS = {"q_owner": "q"}
+
+    __slots__ = ("buffers", "signatures", "placed", "_loose", "_used")
 
     def __init__(self) -> None:
         self.buffers: dict[tuple, torch.Tensor] = {}
         self.signatures: dict[tuple, object] = {}
+        self.placed: dict[object, tuple[int, ...]] = {}  # key -> its parameters' ordinals
+        # kind -> ordinal -> residual of one parameter, between its old bucket and its new
+        # one (within one iteration).
+        self._loose: dict[str, dict[int, torch.Tensor]] = {}
+        self._used: set = set()  # keys placed in this iteration
 
     def get(self, kind: str, key, numel: int, device, signature=None) -> torch.Tensor:
         k = (kind, key)
@@ -119,15 +144,98 @@ class ResidualMemory:
             buf = self.buffers[k] = buf.to(device)
         return buf
 
+    def place(self, key, ords: tuple, signature: tuple, device, chunk_start=None) -> None:
+        """Lays ``key``'s residuals out over the parameters ``ords`` (shapes ``signature``),
+        before its bucket is reduced: each parameter's residual comes from the key that held
+        it, zeros where none did. ``chunk_start(numel)``: where this rank's two-phase chunk of
+        a bucket of ``numel`` elements starts (None: no owner residual to fold). Cheap when
+        the key's parameters did not change: one tuple comparison."""
+        self._used.add(key)
+        if self.placed.get(key) == ords:
+            return
+        if key not in self.placed and any(
+            self.signatures.get(k) == signature for k in self.buffers if k[1] == key
+        ):
+            # Made by ``get`` alone, or loaded without a layout: its shapes are this
+            # bucket's, so it is taken as laid out over these parameters (as before ``place``).
+            self.placed[key] = ords
+        wanted = set(ords)
+        for k in [k for k, held in self.placed.items() if k == key or not wanted.isdisjoint(held)]:
+            self._release(k, chunk_start)
+        for k in [k for k in self.buffers if k[1] == key]:  # over parameters nobody knows
+            del self.buffers[k]
+            self.signatures.pop(k, None)
+        sizes = [math.prod(shape) for shape in signature]
+        for kind, loose in self._loose.items():
+            if wanted.isdisjoint(loose):
+                continue
+            parts = []
+            for o, n in zip(ords, sizes, strict=True):
+                piece = loose.pop(o, None)
+                if piece is None or piece.numel() != n:
+                    piece = torch.zeros(n, dtype=torch.float32, device=device)
+                parts.append(piece.to(device))
+            self.buffers[(kind, key)] = torch.cat(parts)
+            self.signatures[(kind, key)] = signature
+        self.placed[key] = ords
+
+    def _release(self, key, chunk_start) -> None:
+        """Cuts ``key``'s residuals into one loose piece per parameter."""
+        ords = self.placed.pop(key)
+        kinds = [kind for kind, k in self.buffers if k == key]
+        bufs = {kind: self.buffers.pop((kind, key)) for kind in kinds}
+        signatures = {kind: self.signatures.pop((kind, key), None) for kind in kinds}
+        for part, whole in self.PARTS.items():
+            piece = bufs.pop(part, None)
+            if piece is None or whole not in bufs or chunk_start is None:
+                continue  # nowhere to fold it: dropped
+            target = bufs[whole]
+            start = chunk_start(target.numel())
+            if start + piece.numel() <= target.numel():
+                target[start : start + piece.numel()] += piece.to(target.device)
+        for kind, buf in bufs.items():
+            sizes = [math.prod(shape) for shape in signatures[kind] or ()]
+            if len(sizes) != len(ords) or sum(sizes) != buf.numel():
+                continue  # not laid out over these parameters: dropped
+            loose = self._loose.setdefault(kind, {})
+            at = 0
+            for o, n in zip(ords, sizes, strict=True):
+                piece = buf[at : at + n]
+                # Two holders of one parameter (never in a valid layout): the mass adds up.
+                loose[o] = loose[o] + piece if o in loose else piece
+                at += n
+
+    def end_iteration(self) -> None:
+        """After a hook call of every bucket of an iteration: drops the residuals of keys not
+        placed in it, and the loose pieces no bucket claimed (parameters that left every
+        bucket)."""
+        for key in [k for k in self.placed if k not in self._used]:
+            del self.placed[key]
+        for k in [k for k in self.buffers if k[1] not in self._used]:
+            del self.buffers[k]
+            self.signatures.pop(k, None)
+        self._loose.clear()
+        self._used.clear()
+
     def state_dict(self) -> dict:
         return {
             "buffers": {k: v.detach().cpu().clone() for k, v in self.buffers.items()},
             "signatures": dict(self.signatures),
         }
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict, layout: dict | None = None) -> None:
+        """``layout`` (a ``LayoutTracker`` state_dict: shapes, key -> ordinals) says which
+        parameters each key's residuals are laid out over, where their shapes agree."""
         self.buffers = {k: v.clone() for k, v in sd["buffers"].items()}
         self.signatures = dict(sd["signatures"])
+        self.placed, self._loose, self._used = {}, {}, set()
+        if layout is None:
+            return
+        shapes = layout["shapes"]
+        for key, ords in layout["layouts"].items():
+            signature = tuple(shapes[o] for o in ords)
+            if all(s == signature for (_, k), s in self.signatures.items() if k == key):
+                self.placed[key] = ords
 
 
 class LinkRate:

@@ -42,7 +42,7 @@ from ddpcomm.context import (
     Workspace,
 )
 from ddpcomm.futures import set_from_python, then
-from ddpcomm.layout import LayoutTracker, Reformer
+from ddpcomm.layout import LayoutTracker, Reformer, end_iteration, place, watch_casts
 
 
 class CompressionState:
@@ -241,20 +241,23 @@ class CompressionState:
         buckets; that iteration reduces them in the saved buckets (ddpcomm.layout), so
         training continues bitwise.
 
-        Raises, loading nothing, for a malformed state_dict, another method's, or one
-        whose residuals belong to another rank or world size; with ``reset_residuals``
-        the latter keeps the iteration and settings and starts residuals from zero.
+        A model wrapped with another ``bucket_cap_mb`` than the checkpoint's resumes too:
+        after that first iteration DDP's own buckets take over each parameter's residual
+        from the saved buckets (``context.ResidualMemory``; the two-phase quantizer's
+        owner residual is added to the rank's own residual at the same parameters), so no
+        error feedback is lost, though the run is no longer bitwise the uninterrupted one.
+
+        Raises, loading nothing, for a malformed state_dict (every field is checked first:
+        ``checkpoint.validate``), another method's, or one whose residuals belong to
+        another rank or world size; with ``reset_residuals`` the latter keeps the
+        iteration and settings and starts residuals from zero.
         """
         if not isinstance(reset_residuals, bool):
             raise TypeError(f"reset_residuals must be a bool, got {reset_residuals!r}")
-        sd, drop, pending = checkpoint.select(sd, self.process_group, reset_residuals)
-        if tuple(sd["config"]) != self.compressor.config():
-            raise ValueError(
-                f"state_dict was saved with config {tuple(sd['config'])}, this state has "
-                f"{self.compressor.config()}"
-            )
-        # Absent from checkpoints of earlier versions, which had no ramp.
-        ramp = check_int(sd.get("ramp", 0), "state_dict['ramp']", 0)
+        sd, drop, pending = checkpoint.select(
+            sd, self.process_group, reset_residuals, self.compressor
+        )
+        ramp = sd.get("ramp", 0)  # absent from checkpoints from before ramps
         if ("adaptive" in sd) != (self.adaptive is not None):
             raise ValueError(
                 f"state_dict was saved with adaptive={'adaptive' in sd}, this state has "
@@ -267,13 +270,13 @@ class CompressionState:
         self.min_numel = sd["min_numel"]
         self.ramp = ramp
         self._stages = ramp_stages(self.compressor) if ramp else []
+        saved = sd["layout"]
         if drop:
             self.memory = ResidualMemory()
         else:
-            self.memory.load_state_dict(sd["memory"])
-        self.layout = LayoutTracker()
-        saved = sd["layout"]
-        self._reformer = Reformer(saved, self.layout, self.reduce) if saved["layouts"] else None
+            self.memory.load_state_dict(sd["memory"], saved)
+        self.layout = LayoutTracker(loaded=saved)
+        self._reformer = Reformer(saved, self) if saved["layouts"] else None
         self._pending_position = pending
         self._unchecked = True
 
@@ -282,6 +285,8 @@ class CompressionState:
         return {"compressor": self.compressor, "state": self.state_dict()}
 
     def __setstate__(self, d: dict) -> None:
+        # Checked before __init__ reads the adaptive period from it.
+        checkpoint.validate(d["state"])
         adaptive = d["state"].get("adaptive")
         CompressionState.__init__(
             self,
@@ -416,9 +421,10 @@ def _state_for(state, bucket: dist.GradBucket, cls: type, hook: str) -> Compress
 
 
 def _hook(state: CompressionState, bucket: dist.GradBucket, hook: str) -> torch.futures.Future:
-    """The body of every compressing hook. Residuals are keyed by bucket index and checked
-    against the bucket's layout (parameter shapes), so DDP's bucket rebuild resets them
-    instead of applying them to the wrong parameters."""
+    """The body of every compressing hook. Residuals are keyed by bucket index and laid out
+    over the bucket's parameters (``layout.place``): DDP's bucket rebuild hands each
+    parameter's residual to its new bucket instead of applying it to the wrong parameters
+    or dropping it, and what no bucket uses is dropped at the end of the iteration."""
     if isinstance(bucket, tuple):
         # DDP's python_reducer (optimize_ddp="python_reducer", compiled autograd) calls
         # hooks per parameter with (grad, param) and ignores the return value.
@@ -436,18 +442,22 @@ def _hook(state: CompressionState, bucket: dist.GradBucket, hook: str) -> torch.
         )
     if state._unchecked:
         _check_first_iteration(state, buffer, index, hook)
-    ords = state.layout.observe(index, params)
+        if params:
+            # A cast of the model after DDP wrapped it silences DDP, and this hook with it.
+            watch_casts(params[0], state)
+    ords = state.layout.observe(params)
     reformer = state._reformer
     if buffer.layout != torch.strided:
         fut = state.reduce(buffer, index, ())  # sparse: reduced plainly, never re-formed
     elif reformer is not None and not reformer.matches(index, ords):
         fut = reformer.add(bucket, ords, params)  # the first iteration after a resume
     else:
-        fut = state.reduce(buffer, index, state.layout.signature(ords))
+        fut = state.reduce(buffer, index, place(state, index, ords, buffer.device))
     if bucket.is_last():
         state.iteration += 1
         state._reformer = None  # DDP has its own layout from now on
         state._unchecked = False
+        end_iteration(state)
     # DDP's reducer reads the Future from C++: an error must be a C++-level one (raised in
     # a callback), or it reaches the user as "Unable to cast <message> to Tensor". A
     # collective's Future and a ``then``'s already are; one completed from Python is not.

@@ -215,6 +215,99 @@ ROWS = [
         {"gathered": True, "world_size": 3, "ranks": []}), ValueError, "malformed gathered"),
     ("state_dict", "gather, no group", lambda: ddpcomm.QuantizeState().state_dict(gather=True),
      RuntimeError, "needs init_process_group"),
+    # state_dict fields checked before anything loads (checkpoint.validate): each names the
+    # field, the allowed values and the value found
+    ("state_dict", "version 99", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "version": 99}), ValueError,
+     r"state_dict\['version'\] must be one of \[2\] .*got 99"),
+    ("state_dict", "version True", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "version": True}), ValueError, r"\['version'\].*got True"),
+    ("state_dict", "iteration 2**80", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "iteration": 2**80}), ValueError,
+     r"\['iteration'\] must be <= 2\*\*63 - 1 \(an int64 counter\), got 1208925819614629174706176"),
+    ("state_dict", "iteration True", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "iteration": True}), ValueError,
+     r"\['iteration'\] must be an int, got True"),
+    ("state_dict", "ramp 2**70", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "ramp": 2**70}), ValueError, r"\['ramp'\] must be <= 2\*\*63"),
+    ("state_dict", "rank of world", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "rank": 3, "world_size": 2}), ValueError,
+     r"\['rank'\] must be < its 'world_size' 2, got 3"),
+    ("state_dict", "world_size 0", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "rank": 0, "world_size": 0}), ValueError,
+     r"\['world_size'\] must be >= 1, got 0"),
+    ("state_dict", "residual short", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "memory": {"buffers": {("q", 0): torch.zeros(5)},
+                                             "signatures": {("q", 0): ((3, 4),)}}}), ValueError,
+     r"\['buffers'\]\[\('q', 0\)\] must hold 12 elements \(the sum of its signature's shapes\), "
+     "got 5"),
+    ("state_dict", "residual 10**6", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "memory": {"buffers": {("q", 0): torch.zeros(10**6)},
+                                             "signatures": {("q", 0): ((3, 4),)}}}), ValueError,
+     "must hold 12 elements .*got 1000000"),
+    ("state_dict", "residual NaN", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "memory": {"buffers": {("q", 0): torch.tensor([0, np.nan])},
+                                             "signatures": {("q", 0): ((2,),)}}}), ValueError,
+     r"\[\('q', 0\)\] must be finite, got 1 NaN or infinite elements of 2"),
+    ("state_dict", "residual meta", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "memory": {"buffers": {("q", 0): torch.zeros(2, device="meta")},
+                                             "signatures": {("q", 0): ((2,),)}}}), ValueError,
+     r"\[\('q', 0\)\] must be on the CPU or a device, got a meta tensor"),
+    ("state_dict", "residual sparse", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "memory": {"buffers": {("q", 0): torch.ones(2).to_sparse()},
+                                             "signatures": {("q", 0): ((2,),)}}}), ValueError,
+     "must be a 1-D float32 tensor"),
+    ("state_dict", "residual kind", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "memory": {"buffers": {("zz", 0): torch.zeros(2)},
+                                             "signatures": {("zz", 0): ((2,),)}}}), ValueError,
+     r"keys must be \(kind, bucket key\) with kind one of \['q', 'topk', 'randk', 'q_owner'\]"),
+    ("state_dict", "signature garbage", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "memory": {"buffers": {("q", 0): torch.zeros(2)},
+                                             "signatures": {("q", 0): "abc"}}}), ValueError,
+     r"\['signatures'\]\[\('q', 0\)\] must be a tuple of shapes, got 'abc'"),
+    ("state_dict", "signature shape -1", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "memory": {"buffers": {("q", 0): torch.zeros(2)},
+                                             "signatures": {("q", 0): ((-1, 2),)}}}), ValueError,
+     r"tuples of ints >= 0\), got shape \(-1, 2\)"),
+    ("state_dict", "signature missing", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "memory": {"buffers": {("q", 0): torch.zeros(2)},
+                                             "signatures": {("q", 1): ((2,),)}}}), ValueError,
+     "must have one entry per residual"),
+    ("state_dict", "owner chunk", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "rank": 0, "world_size": 3, "memory": {
+         "buffers": {("q", 0): torch.zeros(1000), ("q_owner", 0): torch.zeros(500)},
+         "signatures": {("q", 0): ((1000,),), ("q_owner", 0): ((1000,),)}}}), ValueError,
+     r"\('q_owner', 0\)\] must hold 512 elements \(the saved rank's two-phase chunk"),
+    ("state_dict", "layout no shapes", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "layout": {"shapes": [], "layouts": {0: (0,)}}}), ValueError,
+     r"\['layouts'\]\[0\] must hold ordinals in \[0, 0\) .*got 0"),
+    ("state_dict", "layout key", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "layout": {"shapes": [(2,)], "layouts": {"0": (0,)}}}),
+     ValueError, r"\['layouts'\] keys must be bucket keys \(ints >= 0\), got '0'"),
+    ("state_dict", "layout twice", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "layout": {"shapes": [(2,)], "layouts": {0: (0,), 1: (0,)}}}),
+     ValueError, r"\['layouts'\]\[1\] holds parameter ordinal 0, which .*\[0\] holds too"),
+    ("state_dict", "layout shape", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
+     .load_state_dict({**_GOOD_SD, "layout": {"shapes": ["abc"], "layouts": {}}}), ValueError,
+     r"\['shapes'\] must be a tuple of shapes .*got shape 'abc'"),
+    ("state_dict", "adaptive estimate", lambda: ddpcomm.QuantizeState(4, adaptive=True)
+     .load_state_dict({**ddpcomm.QuantizeState(4, adaptive=True).state_dict(), "adaptive": {
+         "every": 500, "decisions": {}, "estimates": {3: (np.nan, 1.0)}, "next_round": 2,
+         "rounds": 0}}), ValueError,
+     r"\['adaptive'\]\['estimates'\]\[3\] must be \(plain, compressed\) step times"),
+    ("state_dict", "adaptive list", lambda: ddpcomm.QuantizeState(
+        4, error_feedback=True, adaptive=True).load_state_dict({**_GOOD_SD, "adaptive": [1]}),
+     ValueError,
+     r"\['adaptive'\] must be a dict, got \[1\]"),
+    ("state_dict", "unpickle adaptive", lambda: ddpcomm.CompressionState.__new__(
+        ddpcomm.CompressionState).__setstate__({"compressor": Quantizer(4), "state": {
+            **_GOOD_SD, "adaptive": [1]}}), ValueError, r"\['adaptive'\] must be a dict"),
+    ("state_dict", "gathered version", lambda: ddpcomm.QuantizeState().load_state_dict(
+        {"gathered": True, "version": 99, "world_size": 1, "ranks": [_GOOD_SD]}), ValueError,
+     r"state_dict\['version'\] must be one of"),
+    ("state_dict", "gathered world True", lambda: ddpcomm.QuantizeState().load_state_dict(
+        {"gathered": True, "world_size": True, "ranks": [_GOOD_SD]}), ValueError,
+     r"gathered state_dict\['world_size'\] must be an int, got True"),
     # Hooks and their states
     ("hooks", "wrong state", lambda: ddpcomm.quantize_hook(ddpcomm.TopKState(), None), TypeError,
      "quantize_hook needs a QuantizeState"),
@@ -473,7 +566,7 @@ EXPECTED_AT_LEAST = {
     "quantizer": 14,
     "sparse": 10,
     "state": 9,
-    "state_dict": 12,
+    "state_dict": 38,
     "hooks": 5,
     "env": 10,
     "wrappers": 33,
@@ -533,7 +626,7 @@ def test_loaded_before_init_checked_at_first_hook_call(one_rank_group, monkeypat
     from ddpcomm import checkpoint
 
     sd = {**_GOOD_SD, "rank": 1, "world_size": 2}
-    sd["memory"] = {"buffers": {("q", 0): torch.zeros(4)}, "signatures": {("q", 0): ()}}
+    sd["memory"] = {"buffers": {("q", 0): torch.zeros(4)}, "signatures": {("q", 0): ((4,),)}}
     state = ddpcomm.QuantizeState(4, error_feedback=True)
     with monkeypatch.context() as m:  # as before init_process_group
         m.setattr(checkpoint, "group_position", lambda pg: (None, None))

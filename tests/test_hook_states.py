@@ -1,17 +1,24 @@
 """Hook states and hook arguments, no process group needed: every bad argument raises the
 promised error naming it (DESIGN.md §4), spec strings parse, states pickle and round-trip
-through state_dict, and hooks refuse what they cannot reduce."""
+through state_dict, and hooks refuse what they cannot reduce. One test spawns 2 ranks: a
+model cast after DDP wrapped it warns."""
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpcomm
 from ddpcomm import compressors
 from ddpcomm.compressors import parse
+from tests.ddp_utils import make_model
+from tests.dist_utils import run_ranks
 
 
 @pytest.mark.parametrize(
@@ -33,7 +40,7 @@ from ddpcomm.compressors import parse
         ({"seed": 1.0}, TypeError, "seed must be an int"),
         ({"seed": -3}, ValueError, "seed must be in"),
         ({"process_group": "world"}, TypeError, "process_group must be a ProcessGroup"),
-        ({"bitz": 8}, TypeError, "unexpected keyword argument 'bitz'"),
+        ({"bitz": 8}, TypeError, "unknown option 'bitz' for Quantizer; Quantizer takes bits"),
     ],
 )
 def test_bad_quantize_state_arguments(kwargs, exc, match):
@@ -170,7 +177,8 @@ def test_python_reducer_rejects_non_float_grad():
 )
 def test_state_pickles_and_round_trips(make, other, kind):
     state = make()
-    state.memory.get(kind, 3, 10, "cpu").copy_(torch.arange(10.0))
+    # A bucket of a (2, 3) and a (4,) parameter: a signature is its parameters' shapes.
+    state.memory.get(kind, 3, 10, "cpu", ((2, 3), (4,))).copy_(torch.arange(10.0))
     state.iteration = 7
     for restored in (pickle.loads(pickle.dumps(state)), make()):
         if restored.iteration == 0:
@@ -299,3 +307,56 @@ def test_ramp_round_trips_through_state_dict():
     del old["ramp"]  # a checkpoint from before ramps existed
     fresh.load_state_dict(old)
     assert fresh.ramp == 0 and fresh.compressor_at(3).spec == "q2"
+
+
+def _cast_body(rank, world):
+    def steps(ddp, n, dtype=torch.float32, no_sync=False):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(n):
+                x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step + rank))
+                context = ddp.no_sync() if no_sync else contextlib.nullcontext()
+                with context:
+                    ddp(x.to(dtype)).float().square().mean().backward()
+        return [str(w.message) for w in caught if "ddpcomm" in str(w.message)]
+
+    out = {}
+    model = make_model()
+    state = ddpcomm.QuantizeState(8)
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    ddp.register_comm_hook(state, ddpcomm.quantize_hook)
+    # Gradient accumulation: backward passes without a hook call, and no cast: no warning.
+    out["no_sync"] = steps(ddp, 2) + steps(ddp, 3, no_sync=True) + steps(ddp, 1)
+    # A cast under the same DDP: neither the hook nor DDP reduces from now on.
+    ddp.half()
+    at = state.iteration
+    out["cast"] = steps(ddp, 3, torch.float16)
+    out["hook calls after the cast"] = state.iteration - at
+    grad = next(model.parameters()).grad.float()
+    every = [torch.empty_like(grad) for _ in range(world)]
+    dist.all_gather(every, grad)
+    out["grads differ"] = not all(torch.equal(every[0], g) for g in every)
+    # Cast, then wrapped in a new DDP with a new state: the first state's watch sees the
+    # cast, but a state watching the same parameter is called at every step: no warning.
+    model = make_model().half()
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    ddp.register_comm_hook(ddpcomm.QuantizeState(8), ddpcomm.quantize_hook)
+    steps(ddp, 1, torch.float16)
+    ddp = DDP(model.float(), bucket_cap_mb=0.01)
+    ddp.register_comm_hook(ddpcomm.QuantizeState(8), ddpcomm.quantize_hook)
+    out["wrapped again"] = steps(ddp, 3)
+    return out
+
+
+def test_a_model_cast_after_ddp_wrapped_it_warns_once():
+    """On torch 2.13 a model cast under its DDP (``ddp.half()``) silently leaves DDP: no
+    comm hook call, no all-reduce, gradients differ across ranks, nothing raised. The
+    hook state warns once, at the second backward pass after the cast; gradient
+    accumulation (no_sync) and a model wrapped again after a cast do not warn."""
+    for r in run_ranks(_cast_body, 2):
+        assert r["no_sync"] == []
+        assert r["hook calls after the cast"] == 0 and r["grads differ"]
+        (message,) = r["cast"]
+        assert "cast from torch.float32 to torch.float16 after DistributedDataParallel" in message
+        assert "Cast the model before wrapping it in DDP" in message
+        assert r["wrapped again"] == []
