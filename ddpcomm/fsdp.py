@@ -45,7 +45,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _TorchReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from ddpcomm import agreement, collectives, reduce_scatter
+from ddpcomm import agreement, checkpoint, collectives, reduce_scatter
 from ddpcomm.compressors import Compressor, NoCompression, check_int, parse, take_state_options
 from ddpcomm.context import ReduceContext, ResidualMemory, Stats, Workspace
 from ddpcomm.futures import completed
@@ -127,6 +127,7 @@ class FSDPCompressionState:
         "_agreed",
         "_names",
         "_model",
+        "_pending_position",
     )
 
     def __init__(
@@ -183,6 +184,9 @@ class FSDPCompressionState:
         self._agreed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._names = itertools.count()
         self._model: weakref.ref | None = None  # the model ``compress`` installed this on
+        # (rank, world size) a loaded state_dict's residuals belong to, checked at the first
+        # reduction when it was loaded before init_process_group.
+        self._pending_position: tuple | None = None
 
     def config(self) -> tuple:
         """The settings a state_dict must match to be loaded."""
@@ -212,6 +216,9 @@ class FSDPCompressionState:
         ones on the other ranks. Through the group's store (``ddpcomm.agreement``, as the
         DDP hooks): a rank that runs FSDP's own reduce-scatter never publishes, and is
         named after the agreement's deadline instead of at the group's timeout."""
+        if self._pending_position is not None:
+            _check_position(self._pending_position)
+            self._pending_position = None
         done = self._agreed.setdefault(group, set())
         if key in done:
             return
@@ -301,8 +308,11 @@ class FSDPCompressionState:
     def state_dict(self) -> dict:
         """Step counters, residuals and config: resuming continues bitwise. Load it into
         a state of the same config, installed on the same model, before its first step."""
+        rank, world = checkpoint.group_position(None)
         return {
             "version": VERSION,
+            "rank": rank,  # the default group's: the process whose residuals these are
+            "world_size": world,
             "config": self.config(),
             "steps": dict(self.steps),
             "memory": self.memory.state_dict(),
@@ -314,9 +324,16 @@ class FSDPCompressionState:
         refused, never partly dropped. The ranks agree again at the next reduction of
         each parameter group, so one rank resuming from another step is an error."""
         steps, memory = _validate(sd, self.config(), self.residual_dtype)
+        # Residuals belong to the process that made them: rank 0's on rank 1 would feed
+        # another rank's leftovers into this rank's gradients.
+        saved = (sd.get("rank"), sd.get("world_size")) if memory["buffers"] else None
+        if saved is not None and saved[0] is not None and dist.is_initialized():
+            _check_position(saved)
+            saved = None
         self.steps = steps
         self.memory.load_state_dict(memory)
         self._agreed = weakref.WeakKeyDictionary()
+        self._pending_position = saved if saved is not None and saved[0] is not None else None
 
     def __getstate__(self) -> dict:
         return {
@@ -362,12 +379,18 @@ def _validate(sd, config: tuple, residual_dtype: torch.dtype) -> tuple[dict, dic
             f"{type(sd).__name__}"
         )
     missing = [k for k in _SD_KEYS if k not in sd]
-    unknown = [k for k in sd if k not in ("version", *_SD_KEYS)]
+    unknown = [k for k in sd if k not in ("version", "rank", "world_size", *_SD_KEYS)]
     if missing or unknown:
         raise ValueError(
             f"not an FSDPCompressionState state_dict: missing {missing}, unknown {unknown} "
             f"(it has 'version', {', '.join(map(repr, _SD_KEYS))})"
         )
+    for key in ("rank", "world_size"):
+        if sd.get(key) is not None:
+            try:
+                check_int(sd[key], f"state_dict[{key!r}]", 0, _INT64_MAX)
+            except TypeError as exc:
+                raise ValueError(str(exc)) from None
     version = sd.get("version", 1)
     if type(version) is not int or version != VERSION:
         raise ValueError(
@@ -420,6 +443,19 @@ def _validate(sd, config: tuple, residual_dtype: torch.dtype) -> tuple[dict, dic
                 "would be dropped at its first use"
             )
     return steps, memory
+
+
+def _check_position(saved: tuple) -> None:
+    """Raises ValueError when residuals saved at (rank, world size) ``saved`` of the default
+    group are not this process's."""
+    now = checkpoint.group_position(None)
+    if tuple(saved) != now:
+        raise ValueError(
+            "FSDPCompressionState.load_state_dict: this state_dict holds the error-feedback "
+            f"residuals of rank {saved[0]} of {saved[1]}, and this is rank {now[0]} of "
+            f"{now[1]}: a residual is what compression left out of that rank's own "
+            "gradients. Save every rank's own state_dict() and load it on the same rank"
+        )
 
 
 def _check_pair(output, input, group) -> None:

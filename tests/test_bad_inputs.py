@@ -443,6 +443,11 @@ ROWS = [
      TypeError, "state_dict must be a dict from FSDPCompressionState.state_dict()"),
     ("fsdp", "sd empty", lambda: ddpcomm.fsdp.FSDPCompressionState().load_state_dict({}),
      ValueError, r"missing \['config', 'steps', 'memory'\]"),
+    ("fsdp", "sd rank -1", lambda: (s := ddpcomm.fsdp.FSDPCompressionState()).load_state_dict(
+        {**s.state_dict(), "rank": -1}), ValueError, r"state_dict\['rank'\] must be in \[0,"),
+    ("fsdp", "sd world_size True", lambda: (s := ddpcomm.fsdp.FSDPCompressionState())
+     .load_state_dict({**s.state_dict(), "world_size": True}), ValueError,
+     r"state_dict\['world_size'\] must be an int"),
     ("fsdp", "sd extra key", lambda: (s := ddpcomm.fsdp.FSDPCompressionState()).load_state_dict(
         {**s.state_dict(), "iteration": 3}), ValueError, r"unknown \['iteration'\]"),
     ("fsdp", "sd version 2", lambda: (s := ddpcomm.fsdp.FSDPCompressionState()).load_state_dict(
@@ -573,7 +578,7 @@ EXPECTED_AT_LEAST = {
     "ops": 20,
     "payloads": 12,
     "flatten": 6,
-    "fsdp": 26,
+    "fsdp": 28,
 }
 
 

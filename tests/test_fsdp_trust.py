@@ -366,3 +366,32 @@ def test_load_state_dict_loads_nothing_from_a_malformed_one():
     # Validated before anything was assigned: the steps are still the good ones.
     assert state.steps == {"rs:0": 3, "ar:0": 2}
     assert torch.equal(state.memory.buffers[("rs", "rs:0")], torch.arange(4.0))
+
+
+def _load_another_ranks(rank, world):
+    state = FSDPCompressionState("q2")
+    mine = {**_saved(state), "rank": rank, "world_size": world}
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    state.load_state_dict(every[rank])  # its own: fine
+    try:
+        FSDPCompressionState("q2").load_state_dict(every[(rank + 1) % world])
+    except ValueError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_a_state_dict_loads_on_its_own_rank_only():
+    for rank, outcome in enumerate(run_ranks(_load_another_ranks, 2)):
+        assert f"residuals of rank {1 - rank} of 2, and this is rank {rank} of 2" in outcome
+
+
+def test_a_position_loaded_before_init_is_checked_at_the_first_reduction(monkeypatch):
+    from ddpcomm import checkpoint
+
+    state = FSDPCompressionState("q2")
+    assert not dist.is_initialized()
+    state.load_state_dict({**_saved(state), "rank": 1, "world_size": 2})  # nothing to compare
+    monkeypatch.setattr(checkpoint, "group_position", lambda pg: (0, 2))
+    with pytest.raises(ValueError, match="residuals of rank 1 of 2, and this is rank 0 of 2"):
+        state._agree(None, "rs:0", torch.zeros(4), "reduce-scatter")
