@@ -35,6 +35,18 @@ def run_ranks(
     return _spawn(fn, world, args, timeout, pg_timeout or 120.0, allow_exit)
 
 
+def run_checks(rank: int, world: int, checks) -> dict:
+    """In a spawned rank: ``{check.__name__: check(rank, world)}`` for every check in
+    order, a check that raises recorded as ``{"error": traceback}`` (its test reports it)."""
+    out = {}
+    for check in checks:
+        try:
+            out[check.__name__] = check(rank, world)
+        except Exception:  # noqa: BLE001 - reported by the test of that check
+            out[check.__name__] = {"error": traceback.format_exc()}
+    return out
+
+
 def _entry(fn, rank, world, store, pg_timeout, results, args):
     try:
         torch.set_num_threads(1)

@@ -5,10 +5,10 @@ or CUDA tensors over gloo on GPU 0 and NCCL at one rank). Error feedback loses n
 over steps (N * sum of outputs + residuals = sum of inputs); buckets completed out of
 order still pair their collectives; a non-finite input is non-finite on every rank and
 resets the residuals (DESIGN.md §4, §6.3); ranks that disagree on the configuration are
-tests/test_agreement.py's. On CUDA: no host synchronisation in any algorithm; with every collective and
-kernel delayed, a waiter reading right after Future.wait() sees the final values, for every
-algorithm and the async wrappers, on NCCL and on gloo with 2 and 3 ranks; NCCL's two-phase
-creates no group (DESIGN.md §8).
+tests/test_agreement.py's. On CUDA: no host synchronisation in any algorithm; with every
+collective and kernel delayed, a waiter reading right after Future.wait() sees the final
+values, for every algorithm and the async wrappers, on NCCL and on gloo with 2 and 3
+ranks; NCCL's two-phase creates no group (DESIGN.md §8).
 """
 
 from __future__ import annotations

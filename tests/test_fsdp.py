@@ -16,7 +16,6 @@ import math
 import pickle
 import subprocess
 import sys
-import traceback
 
 import pytest
 import torch
@@ -30,7 +29,7 @@ import ddpcomm.fsdp
 from ddpcomm import reference
 from ddpcomm.fsdp import FSDPCompressionState, ReduceScatter
 from ddpcomm.reduce_scatter import reduce_scatter_single
-from tests.dist_utils import run_ranks
+from tests.dist_utils import run_checks, run_ranks
 
 BLOCK = 64
 STEPS = 50
@@ -390,13 +389,7 @@ CHECKS += (check_resume, check_misuse)
 
 
 def check_all(rank, world):
-    out = {}
-    for check in CHECKS:
-        try:
-            out[check.__name__] = check(rank, world)
-        except Exception:  # noqa: BLE001 - reported by the test of that check
-            out[check.__name__] = {"error": traceback.format_exc()}
-    return out
+    return run_checks(rank, world, CHECKS)
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4])

@@ -21,7 +21,6 @@ malformed one (the malformed dicts themselves are rows of tests/test_bad_inputs.
 """
 
 import os
-import traceback
 
 import pytest
 import torch
@@ -35,7 +34,7 @@ import ddpcomm
 import ddpcomm.fsdp
 from ddpcomm.fsdp import FSDPCompressionState, ReduceScatter
 from ddpcomm.reduce_scatter import reduce_scatter_single
-from tests.dist_utils import run_ranks
+from tests.dist_utils import run_checks, run_ranks
 
 # A regression back to a hang fails after this long instead of the default 120 s.
 PG_TIMEOUT = 30.0
@@ -224,13 +223,7 @@ CHECKS += (check_one_rank_plain,)
 
 
 def check_all(rank, world):
-    out = {}
-    for check in CHECKS:
-        try:
-            out[check.__name__] = check(rank, world)
-        except Exception:  # noqa: BLE001 - reported by the test of that check
-            out[check.__name__] = {"error": traceback.format_exc()}
-    return out
+    return run_checks(rank, world, CHECKS)
 
 
 @pytest.fixture(scope="module", params=[2, 3])
