@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-NATIVE_SRC := setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*)
+NATIVE_SRC := setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cpu/*.h csrc/cpu/avx2/*.cpp csrc/cuda/*)
 NVCC := $(shell command -v nvcc 2>/dev/null)
 
 .PHONY: all demo test bench lint format nvcc-check clean
@@ -15,9 +15,14 @@ $(VENV)/.deps: requirements-dev.txt
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
-# Editable install once (metadata), then incremental ninja rebuilds of the extension.
-$(VENV)/.built: $(VENV)/.deps $(NATIVE_SRC) pyproject.toml
-	test -f $(VENV)/.installed || { $(PY) -m pip install -q --no-build-isolation --no-deps -e . && touch $(VENV)/.installed; }
+# One compile: the editable install (the package for `python -m ddpcomm.run` and the
+# ddpcomm-run script) builds the extension in place, keeping ninja's objects in build/
+# (setup.py), so .built then only relinks, and after an edit recompiles what changed.
+$(VENV)/.installed: $(VENV)/.deps pyproject.toml
+	MAX_JOBS=2 $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+$(VENV)/.built: $(VENV)/.installed $(NATIVE_SRC)
 	MAX_JOBS=2 $(PY) setup.py -q build_ext --inplace
 	$(PY) -c "import ddpcomm, json; print('ddpcomm', json.dumps(ddpcomm.build_info()))"
 	touch $@
@@ -51,11 +56,11 @@ nvcc-check: cuda-check
 lint: $(VENV)/.deps
 	$(VENV)/bin/ruff check ddpcomm tests benchmarks .ci
 	$(VENV)/bin/ruff format --check ddpcomm tests benchmarks .ci
-	$(VENV)/bin/clang-format --dry-run --Werror $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cuda/*)
+	$(VENV)/bin/clang-format --dry-run --Werror $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.h csrc/cpu/*.cpp csrc/cpu/avx2/*.cpp csrc/cuda/*)
 
 format: $(VENV)/.deps
 	$(VENV)/bin/ruff format ddpcomm tests benchmarks
-	$(VENV)/bin/clang-format -i $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cuda/*)
+	$(VENV)/bin/clang-format -i $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.h csrc/cpu/*.cpp csrc/cpu/avx2/*.cpp csrc/cuda/*)
 
 clean:
 	rm -rf build ddpcomm/*.so $(VENV)/.built

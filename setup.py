@@ -8,6 +8,8 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
+import sysconfig
 
 import torch
 from setuptools import setup
@@ -30,23 +32,36 @@ def _want_cuda():
     return True, f"torch {torch.__version__} with CUDA {torch.version.cuda}"
 
 
-def _cpu_arch():
-    """-march for the C++ ops: x86-64-v3 (AVX2) where the building CPU has it, else
-    x86-64-v2 (SSE4.2). The byte and float loops vectorize with either; AVX2 halves their
-    instruction count, which matters because quantization is close to memory bound.
-    No -ffast-math and no FMA contraction, so results are the same bits on any target.
-    DDPCOMM_CPU_ARCH overrides the choice (e.g. "x86-64-v2" for a portable build)."""
-    if "DDPCOMM_CPU_ARCH" in os.environ:
-        arch = os.environ["DDPCOMM_CPU_ARCH"]
-        return [f"-march={arch}"] if arch else []
+def _cpu_build():
+    """The C++ ops' CPU flags, extra sources and a description, portable unless asked.
+
+    Default on x86-64: the baseline x86-64 for every file (a wheel runs on any x86-64
+    CPU), and the vector-heavy families (quantize, top-k, random-k) compiled a second time
+    for x86-64-v3 (AVX2) from csrc/cpu/avx2/, picked at load where the CPU has it
+    (csrc/cpu/dispatch.h). DDPCOMM_CPU_ARCH=native (or another -march value) instead
+    builds every file once for that target, with no dispatch: for the building machine
+    only. No -ffast-math and no FMA contraction, so every variant gives the same bits."""
+    arch = os.environ.get("DDPCOMM_CPU_ARCH")
+    if arch:
+        return [f"-march={arch}", "-DDDPCOMM_CPU_DISPATCH=0"], [], f"-march={arch}, no dispatch"
     if platform.machine() != "x86_64":
-        return []
-    try:
-        with open("/proc/cpuinfo") as f:
-            avx2 = " avx2" in f.read()
-    except OSError:
-        avx2 = False
-    return ["-march=x86-64-v3" if avx2 else "-march=x86-64-v2"]
+        return ["-DDDPCOMM_CPU_DISPATCH=0"], [], f"{platform.machine()}, no dispatch"
+    # -march=x86-64 spelled out: some compilers default to a later level (x86-64-v2).
+    flags = ["-march=x86-64", "-DDDPCOMM_CPU_DISPATCH=1"]
+    return flags, _sources("csrc/cpu/avx2/*.cpp"), "x86-64, and x86-64-v3 kernels picked at load"
+
+
+class BuildExt(BuildExtension.with_options(use_ninja=True)):
+    """torch's ninja build. pip's editable install (`make`, `pip install -e .`) builds the
+    extension in place too, but setuptools hands it a throwaway temp dir: the objects and
+    ninja's record are kept where `setup.py build_ext --inplace` looks instead, so the
+    next rebuild compiles only what changed, not everything again."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if self.editable_mode:
+            plat = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+            self.build_temp = os.path.join(ROOT, "build", f"temp.{plat}")
 
 
 def _cuda_arch_list():
@@ -71,10 +86,14 @@ def _cuda_arch_list():
 
 
 cuda, why = _want_cuda()
-print(f"ddpcomm: building {'CPU + CUDA' if cuda else 'CPU-only'} ops ({why}), {_cpu_arch()}")
+cpu_flags, cpu_variants, cpu_what = _cpu_build()
+print(f"ddpcomm: building {'CPU + CUDA' if cuda else 'CPU-only'} ops ({why}); CPU: {cpu_what}")
 
-cxx = ["-O3", "-fopenmp", "-ffp-contract=off"] + _cpu_arch()
-sources = _sources("csrc/ddpcomm.cpp") + _sources("csrc/cpu/*.cpp")
+# -g0 drops the debug info that Python's own CFLAGS ask for (-g) and -s the symbol table at
+# link: the library goes from 11 MB to 0.6 MB. The dynamic symbols Python and torch need stay.
+cxx = ["-O3", "-g0", "-fopenmp", "-ffp-contract=off"] + cpu_flags
+link = ["-fopenmp", "-s"]
+sources = _sources("csrc/ddpcomm.cpp") + _sources("csrc/cpu/*.cpp") + cpu_variants
 if cuda:
     archs = _cuda_arch_list()
     if archs is not None:
@@ -88,9 +107,18 @@ if cuda:
             "cxx": cxx + ["-DDDPCOMM_WITH_CUDA"],
             "nvcc": ["-O3", "--fmad=false", "-DDDPCOMM_WITH_CUDA"],
         },
-        extra_link_args=["-fopenmp"],
+        extra_link_args=link,
     )
 else:
-    ext = CppExtension("ddpcomm._C", sources, extra_compile_args=cxx, extra_link_args=["-fopenmp"])
+    ext = CppExtension("ddpcomm._C", sources, extra_compile_args=cxx, extra_link_args=link)
 
-setup(ext_modules=[ext], cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})
+# The compiled library loads only with the torch it was built against (torch's C++ ABI
+# changes between releases), so the package requires exactly that version: pyproject.toml
+# declares its dependencies dynamic, and they are set here. "2.13.0" also admits local
+# builds of that release (2.13.0+cpu, +cu128).
+torch_release = torch.__version__.split("+")[0]
+setup(
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExt},
+    install_requires=[f"torch=={torch_release}"],
+)

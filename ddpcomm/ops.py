@@ -33,8 +33,19 @@ _ops = torch.ops.ddpcomm
 
 
 def build_info() -> dict:
-    """What the native library was built with: CUDA ops, OpenMP version, torch version."""
+    """What the native library was built with and runs: CUDA ops, OpenMP version, the
+    torch it was built against (``torch_built``) and the one loaded (``torch``), the CPU
+    kernels the ops run (``cpu_kernels``: ``x86-64-v3`` or ``x86-64`` in a portable build,
+    picked at load; ``as built`` in a ``DDPCOMM_CPU_ARCH`` build) and why
+    (``cpu_dispatch``; ``DDPCOMM_CPU_DISPATCH=baseline`` forces the x86-64 ones)."""
+    import ctypes
+
     info = dict(_C.build_info())
+    lib = ctypes.CDLL(_C.__file__)  # already loaded: the same handle
+    for name in ("torch_built", "cpu_kernels", "cpu_dispatch"):
+        fn = getattr(lib, f"ddpcomm_{name}")
+        fn.restype = ctypes.c_char_p
+        info[name] = fn().decode()
     info["torch"] = torch.__version__
     info["threads"] = torch.get_num_threads()
     return info

@@ -16,8 +16,15 @@
 
 #include "../checks.h"
 #include "../numerics.h"
+#include "dispatch.h"
 
-namespace ddpcomm {
+// Everything below, not the headers above, is compiled for x86-64-v3 in the AVX2 variant
+// (avx2/quantize.cpp; see dispatch.h).
+#if defined(DDPCOMM_ISA_AVX2)
+#pragma GCC target("arch=x86-64-v3")
+#endif
+
+namespace ddpcomm::DDPCOMM_ISA {
 namespace {
 
 // Blocks per parallel_for task: enough work to amortize the task, small enough to balance.
@@ -279,10 +286,10 @@ void dequantize_sum_requantize_into_cpu(const at::Tensor& payloads,
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ddpcomm, CPU, m) {
+void register_quantize(torch::Library& m) {
   m.impl("quantize_into", &quantize_into_cpu);
   m.impl("dequantize_sum_into", &dequantize_sum_into_cpu);
   m.impl("dequantize_sum_requantize_into", &dequantize_sum_requantize_into_cpu);
 }
 
-}  // namespace ddpcomm
+}  // namespace ddpcomm::DDPCOMM_ISA

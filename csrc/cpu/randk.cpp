@@ -14,8 +14,15 @@
 
 #include "../checks.h"
 #include "../numerics.h"
+#include "dispatch.h"
 
-namespace ddpcomm {
+// Everything below, not the headers above, is compiled for x86-64-v3 in the AVX2 variant
+// (avx2/randk.cpp; see dispatch.h).
+#if defined(DDPCOMM_ISA_AVX2)
+#pragma GCC target("arch=x86-64-v3")
+#endif
+
+namespace ddpcomm::DDPCOMM_ISA {
 namespace {
 
 // About 64K elements of bucket per parallel task.
@@ -90,9 +97,9 @@ void randk_decompress_into_cpu(const at::Tensor& values, const at::Tensor& out, 
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ddpcomm, CPU, m) {
+void register_randk(torch::Library& m) {
   m.impl("randk_compress_into", &randk_compress_into_cpu);
   m.impl("randk_decompress_into", &randk_decompress_into_cpu);
 }
 
-}  // namespace ddpcomm
+}  // namespace ddpcomm::DDPCOMM_ISA

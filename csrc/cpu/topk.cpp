@@ -7,7 +7,7 @@
 //      entries (exact mode: 4 standard deviations of margin) or ~1.08 k (approximate: 1);
 //   2. one fused pass over the bucket adds the residual, stores e back into it and keeps
 //      every entry at or above the threshold as a candidate (per chunk, in index order;
-//      AVX2 compaction where the build has it);
+//      AVX2 compaction in the x86-64-v3 variant, dispatch.h);
 //   3. the k winners are picked among the candidates only (a histogram of their keys, then
 //      nth_element inside one bin; ties by lower index) and written in ascending index
 //      order with the residual update.
@@ -30,14 +30,21 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX2__)
+#include "../checks.h"
+#include "../numerics.h"
+#include "dispatch.h"
+
+#if DDPCOMM_HAVE_AVX2
 #include <immintrin.h>
 #endif
 
-#include "../checks.h"
-#include "../numerics.h"
+// Everything below, not the headers above, is compiled for x86-64-v3 in the AVX2 variant
+// (avx2/topk.cpp; see dispatch.h).
+#if defined(DDPCOMM_ISA_AVX2)
+#pragma GCC target("arch=x86-64-v3")
+#endif
 
-namespace ddpcomm {
+namespace ddpcomm::DDPCOMM_ISA {
 namespace {
 
 // Elements per parallel task of the scan, and per inner block whose hit count is taken
@@ -87,12 +94,13 @@ struct Candidates {
   uint32_t max_key = 0;
 };
 
-#if defined(__AVX2__)
+#if DDPCOMM_HAVE_AVX2
 // For each 8-bit mask, the lanes whose bit is set, packed to the front (in lane order):
-// the permutation that compacts one 8-lane vector with AVX2's permutevar8x32.
+// the permutation that compacts one 8-lane vector with AVX2's permutevar8x32. Built at
+// compile time: a constructor run at load would be AVX2 code run on every CPU.
 struct CompactTable {
   alignas(32) int32_t lanes[256][8];
-  CompactTable() {
+  constexpr CompactTable() : lanes{} {
     for (int mask = 0; mask < 256; ++mask) {
       int m = 0;
       for (int lane = 0; lane < 8; ++lane) {
@@ -102,7 +110,7 @@ struct CompactTable {
     }
   }
 };
-const CompactTable kCompact;
+constexpr CompactTable kCompact;
 #endif
 
 // Appends the entries of bits[0, len) whose key is >= thr, with their indices b + j, to
@@ -110,7 +118,7 @@ const CompactTable kCompact;
 int64_t compact(const uint32_t* bits, int64_t len, int64_t b, uint32_t thr, uint32_t* hit_bits,
                 int32_t* hit_index) {
   int64_t m = 0, j = 0;
-#if defined(__AVX2__)
+#if DDPCOMM_HAVE_AVX2
   // Keys are < 2^31, so a signed compare against thr - 1 is key >= thr (thr = 0: all).
   const __m256i lo = _mm256_set1_epi32((int32_t)thr - 1);
   const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
@@ -512,9 +520,9 @@ void sparse_accumulate_into_cpu(const at::Tensor& payloads, const at::Tensor& ou
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(ddpcomm, CPU, m) {
+void register_topk(torch::Library& m) {
   m.impl("topk_compress_into", &topk_compress_into_cpu);
   m.impl("sparse_accumulate_into", &sparse_accumulate_into_cpu);
 }
 
-}  // namespace ddpcomm
+}  // namespace ddpcomm::DDPCOMM_ISA
