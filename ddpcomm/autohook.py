@@ -23,7 +23,10 @@ Rules. The hook is registered at the model's first forward, so a script that reg
 its own comm hook right after building DDP keeps it: ddpcomm then warns once that it is
 not installing its own. DDP's ``mixed_precision`` occupies the hook slot, so such a model
 is reported and left alone. At exit, rank 0 prints one ``ddpcomm:`` line per process with
-the configuration and what compression did.
+the configuration and what compression did (and why nothing was, where nothing was: still
+in the plain warm-up of ``start_iter``, or every bucket below ``min_numel``). A process that
+builds a DDP model leaves a file in ``DDPCOMM_RUN_DIR`` (set by the launcher), which tells
+the launcher whether any process built one.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ ENV_START_ITER = "DDPCOMM_START_ITER"
 ENV_MIN_NUMEL = "DDPCOMM_MIN_NUMEL"
 ENV_OPTIONS = "DDPCOMM_OPTIONS"
 ENV_VARIABLES = (ENV_COMPRESSION, ENV_OPTIONS, ENV_START_ITER, ENV_MIN_NUMEL)
+# Not a setting: the launcher's directory for "this process built a DDP model" files.
+ENV_RUN_DIR = "DDPCOMM_RUN_DIR"
 
 _STATES: list = []  # the states installed on global rank 0, for the exit summary
 _LOCK = threading.Lock()
@@ -161,6 +166,7 @@ def attach(ddp) -> None:
     global _CONFIG
     with _LOCK:
         if _CONFIG is None:
+            _report_ddp()
             _CONFIG = config_from_env()
             atexit.register(_summary)
             # mp.spawn children leave through os._exit, which skips atexit;
@@ -180,6 +186,16 @@ def attach(ddp) -> None:
         _register(module, _CONFIG)
 
     handle = ddp.register_forward_pre_hook(register_at_first_forward)
+
+
+def _report_ddp() -> None:
+    """Tells the launcher that this process built a DDP model (a file named by its pid)."""
+    where = os.environ.get(ENV_RUN_DIR)
+    if where:
+        try:
+            open(os.path.join(where, f"ddp.{os.getpid()}"), "w").close()
+        except OSError:  # the launcher is gone, or the directory with it: nothing to tell
+            pass
 
 
 def _register(ddp, config: dict) -> None:
@@ -224,11 +240,23 @@ def summary_line(states, spec: str | None = None) -> str:
     dense = sum(st["dense_bytes"] for st in stats)
     seconds = sum(st["compress_seconds"] for st in stats)
     ratio = f"{dense / sent:.2f}x less" if sent else "nothing sent"
+    why = _why_plain(first, max(st["iteration"] for st in stats)) if buckets == plain else ""
     return (
-        f"ddpcomm: {method}: {buckets - plain} buckets compressed, {plain} plain; "
+        f"ddpcomm: {method}: {buckets - plain} buckets compressed{why}, {plain} plain; "
         f"{sent / 1e6:.2f} MB sent vs {dense / 1e6:.2f} MB plain ({ratio}); "
         f"{seconds:.3f} s compressing"
     )
+
+
+def _why_plain(state, steps: int) -> str:
+    """Why no bucket was compressed in ``steps`` steps, as a parenthesis, or ""."""
+    if 0 < state.start_iter and steps <= state.start_iter:
+        if steps < state.start_iter:
+            return f" (still in start_iter's plain warm-up: {steps} of {state.start_iter} steps)"
+        return f" (all {steps} steps were start_iter's plain warm-up)"
+    if state.min_numel > 0:
+        return f" (every bucket was below min_numel={state.min_numel})"
+    return ""
 
 
 def _summary() -> None:

@@ -22,7 +22,11 @@ text, read and checked as a spec string given to ``ddpcomm.CompressionState`` is
   that spec alone in ``DDPCOMM_COMPRESSION`` (the other variables removed), and rank 0
   prints it again at exit with what compression did.
 
-A bad spec or option fails here, before any rank starts.
+A bad spec or option fails here, before any rank starts. The launcher then runs COMMAND as
+its child and exits with its status. Every process that builds a DDP model says so through
+a directory named by ``DDPCOMM_RUN_DIR``; when none did (``accelerate launch`` on a machine
+without a GPU builds none unless given ``--cpu``), the launcher says so when COMMAND
+succeeds, so that a run that compressed nothing never looks like one that did.
 
 Example::
 
@@ -37,7 +41,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 
 from ddpcomm import autohook
 
@@ -116,11 +124,44 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:
         parser.error(str(exc))
     print(f"ddpcomm.run: {resolved.spec} ({resolved.origins})", file=sys.stderr, flush=True)
+    reports = tempfile.mkdtemp(prefix="ddpcomm-run-")
+    env[autohook.ENV_RUN_DIR] = reports
     try:
-        os.execvpe(args.command[0], args.command, env)
-    except OSError as exc:
-        print(f"ddpcomm.run: cannot run {args.command[0]!r}: {exc}", file=sys.stderr)
+        status = _run(args.command, env)
+        if status == 0 and not os.listdir(reports):
+            print(
+                "ddpcomm.run: no DistributedDataParallel model was built in any process "
+                f"{args.command[0]!r} started, so nothing was compressed (accelerate, for one, "
+                "builds none on a machine without a GPU unless given --cpu or "
+                "ACCELERATE_USE_CPU=1)",
+                file=sys.stderr,
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(reports, ignore_errors=True)
+    if status is None:
         return 127
+    if status < 0:  # killed by a signal: die of the same one, as a shell reports it
+        signal.signal(-status, signal.SIG_DFL)
+        os.kill(os.getpid(), -status)
+        return 128 - status
+    return status
+
+
+def _run(command: list[str], env: dict) -> int | None:
+    """Runs ``command`` to its end: its exit status (negative: the signal that ended it),
+    or None when it cannot be started. Ctrl-C reaches the command from the terminal (one
+    process group), so the launcher ignores it rather than send a second one; SIGTERM and
+    SIGHUP, which a job scheduler sends to the launcher alone, are passed on."""
+    try:
+        child = subprocess.Popen(command, env=env)
+    except OSError as exc:
+        print(f"ddpcomm.run: cannot run {command[0]!r}: {exc}", file=sys.stderr)
+        return None
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+    return child.wait()
 
 
 if __name__ == "__main__":

@@ -147,3 +147,15 @@ def test_accelerate_recipe_and_the_launcher_agree(accelerate):
     assert _ranks(res.stdout) == by_hand
     summary = [line for line in res.stderr.splitlines() if line.startswith("ddpcomm:")]
     assert len(summary) == 1 and summary[0].startswith("ddpcomm: q4: 6 buckets compressed, 0 plain")
+    assert "no DistributedDataParallel" not in res.stderr
+
+
+def test_launcher_says_when_accelerate_built_no_ddp(accelerate):
+    # Accelerator() without cpu=True on a machine without a GPU: accelerate runs each
+    # process alone (DistributedType.NO) and wraps nothing in DDP; the launcher says so.
+    command, env = accelerate
+    command = [*command[:-1], os.path.join(os.path.dirname(SCRIPT), "accelerate_default.py")]
+    res = _run(sys.executable, "-m", "ddpcomm.run", "--compression", "q4", *command, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "ddpcomm.run: no DistributedDataParallel model was built in any process" in res.stderr
+    assert not [line for line in res.stderr.splitlines() if line.startswith("ddpcomm:")]

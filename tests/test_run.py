@@ -65,6 +65,41 @@ def test_mp_spawn_script_gets_the_hook():
     assert summary[0].startswith(
         "ddpcomm: q4,block_size=64,start_iter=0: 6 buckets compressed, 0 plain"
     )
+    assert "no DistributedDataParallel" not in res.stderr
+
+
+def test_summary_says_a_run_ended_in_the_warm_up():
+    # top-k starts with 200 plain steps by default; the script runs 6.
+    command = [sys.executable, "-m", "ddpcomm.run", "--compression", "topk:0.01"]
+    res = _run(*command, sys.executable, SCRIPT, _port())
+    assert res.returncode == 0, res.stderr
+    summary = [line for line in res.stderr.splitlines() if line.startswith("ddpcomm:")]
+    assert len(summary) == 1 and summary[0].startswith(
+        "ddpcomm: topk:0.01 (by default start_iter=200, ramp=200): 0 buckets compressed "
+        "(still in start_iter's plain warm-up: 6 of 200 steps), 6 plain; "
+    ), res.stderr
+
+
+def test_summary_says_every_bucket_was_below_min_numel():
+    import ddpcomm
+
+    state = ddpcomm.CompressionState("q8", min_numel=10**6)
+    state.iteration = 3
+    line = autohook.summary_line([state], "q8,min_numel=1000000")
+    assert "0 buckets compressed (every bucket was below min_numel=1000000), 0 plain" in line
+
+
+def test_a_command_that_builds_no_ddp_model_is_told():
+    res = _run(sys.executable, "-m", "ddpcomm.run", "--compression", "q8", sys.executable, "-c", "")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.splitlines()[1:] == [
+        "ddpcomm.run: no DistributedDataParallel model was built in any process "
+        f"{sys.executable!r} started, so nothing was compressed (accelerate, for one, builds "
+        "none on a machine without a GPU unless given --cpu or ACCELERATE_USE_CPU=1)"
+    ]
+    # The command's exit status is the launcher's; a failed command gets no such line.
+    res = _run(sys.executable, "-m", "ddpcomm.run", "--compression", "q8", "sh", "-c", "exit 3")
+    assert res.returncode == 3 and "no DistributedDataParallel" not in res.stderr, res.stderr
 
 
 @pytest.mark.skipif(
