@@ -163,9 +163,11 @@ class CompressionState:
     def stats(self) -> dict:
         """Bytes handed to collectives, the plain all_reduce equivalent, compression time,
         how many buckets took each path, and on gloo each bucket's all-gather pieces and
-        the link rate they follow."""
+        the link rate they follow. Under DDP's python_reducer (compiled autograd) the
+        reductions are counted per parameter, by traced.py."""
         d = self._stats.as_dict()
         d["iteration"] = self.iteration
+        traced.add_counts(self, d)
         if self.workspace.links:  # gloo all-gathers: each bucket's pieces and link rate
             d["gloo_pieces"] = {k: link.as_dict() for k, link in self.workspace.links.items()}
         if self.adaptive is not None:
@@ -174,6 +176,7 @@ class CompressionState:
 
     def reset_stats(self) -> None:
         self._stats.reset()
+        traced.reset_counts(self)
         if self.adaptive is not None:
             self.adaptive.counts.clear()
 

@@ -24,9 +24,20 @@ on every rank. What needs a per-step random key (stochastic rounding, approximat
 random-k) or a step counter (``start_iter``) is refused with an error naming the method
 and why. Residuals are keyed by the parameter tensor itself: the same key every step, whatever
 order the hooks run in.
+
+``state.stats()`` counts this path too (``add_counts``): each parameter's reduction takes
+one path and sends the same bytes every step, so the traced hook only adds 1 to a per-parameter
+counter tensor (a tensor op, replayed by the compiled graph at every backward; a Python
+counter would be read as a constant and recompile the graph every step), and ``stats()``
+multiplies. The counters are made in the first backward, so the second compiles the graph
+once more (as error feedback's residuals make it do). Host time spent compressing is not
+measured here: it happens inside the graph.
 """
 
 from __future__ import annotations
+
+import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -40,6 +51,7 @@ from ddpcomm.compressors import (
     Quantizer,
     TopK,
     default_schedule,
+    dense_bytes,
 )
 
 # torch 2.13 renamed all_gather_tensor to all_gather_single (the old name warns).
@@ -47,6 +59,12 @@ _all_gather = getattr(fcol, "all_gather_single", None) or fcol.all_gather_tensor
 
 # Seed of top-k's sampling stream: used only in approximate mode, which is refused here.
 _NO_SEED = 0
+
+# What this path sent, per state and parameter: (path, bytes sent, plain all_reduce bytes,
+# a 1-element int64 tensor counting the reductions). Weakly keyed by the state (a dict that
+# dynamo traces; torch's WeakIdKeyDictionary would break the graph), so a state's counts go
+# with it.
+_COUNTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def hook(state, pair: tuple, name: str) -> torch.Tensor:
@@ -65,7 +83,7 @@ def hook(state, pair: tuple, name: str) -> torch.Tensor:
             f"{name}: {state.compressor.spec} cannot run under DDP's python_reducer "
             f"(optimize_ddp='python_reducer', compiled autograd): {why}"
         )
-    reduce_param(
+    path, sent, dense = reduce_param(
         state.compressor,
         state.param_residuals,
         grad,
@@ -73,7 +91,52 @@ def hook(state, pair: tuple, name: str) -> torch.Tensor:
         state.process_group,
         state.min_numel,
     )
+    _count(state, param, path, sent, dense, grad.device)
     return grad
+
+
+def _count(state, param, path: str, sent: int, dense: int, device) -> None:
+    """Counts one reduction of ``param`` (its counter is made at its first)."""
+    counts = _COUNTS.get(state)
+    if counts is None:
+        counts = _COUNTS[state] = {}
+    entry = counts.get(param)
+    if entry is None:
+        # [path, bytes sent, plain bytes, reductions so far, reductions at reset_stats()]
+        calls = torch.zeros(1, dtype=torch.int64, device=device)
+        entry = counts[param] = [path, sent, dense, calls, 0]
+    entry[3].add_(1)
+
+
+def add_counts(state, stats: dict) -> None:
+    """Adds what this path sent for ``state`` to ``stats`` (a ``state.stats()`` dict):
+    calls, bytes, paths, and ``iteration`` (the most reductions of any one parameter: each
+    is reduced once per backward). Reads the counters (on a GPU: a synchronization, at
+    ``stats()`` time only)."""
+    counts = _COUNTS.get(state)
+    if not counts:
+        return
+    paths = stats["paths"]
+    iterations = 0
+    for path, sent, dense, calls, reset in counts.values():
+        total = int(calls.item())
+        iterations = max(iterations, total)
+        k = total - reset
+        stats["calls"] += k
+        stats["bytes_sent"] += k * sent
+        stats["dense_bytes"] += k * dense
+        paths[path] = paths.get(path, 0) + k
+    stats["iteration"] = max(stats.get("iteration", 0), iterations)
+    if "cross_node_bytes" not in stats:  # a flat ratio: recomputed with these bytes
+        sent = stats["bytes_sent"]
+        stats["compression_ratio"] = stats["dense_bytes"] / sent if sent else math.nan
+
+
+def reset_counts(state) -> None:
+    """``state.reset_stats()`` for this path: counts restart from here (the counters
+    themselves live on, inside the compiled graph; ``iteration`` keeps counting)."""
+    for entry in _COUNTS.get(state, {}).values():
+        entry[4] = int(entry[3].item())
 
 
 def unsupported(state) -> str | None:
@@ -121,31 +184,38 @@ def reduce_param(
     param: torch.Tensor,
     group: dist.ProcessGroup | None,
     min_numel: int,
-) -> None:
+) -> tuple[str, int, int]:
     """Overwrites ``grad`` (``param``'s gradient) with its mean over ``group``'s ranks,
     sent with ``compressor``. ``residuals`` maps parameters to their error-feedback
-    residuals."""
+    residuals. Returns what ``stats()`` counts, as the bucketed path names it: (path,
+    bytes this rank sent, bytes a plain all_reduce would have sent)."""
     pg = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(pg)
     flat = grad.reshape(-1)
     n = flat.numel()
     if n == 0:
-        return
+        return "empty", 0, 0
+    dense = dense_bytes(n, world, grad.element_size())
     if not compressor.lossy or n < min_numel:
         # DDP's own python_reducer path: scale, then sum.
         grad.copy_(fcol.all_reduce(grad * (1.0 / world), "sum", pg))
-        return
+        return "plain", dense, dense
     if isinstance(compressor, CastCompression):
         wire = grad.to(compressor.dtype).div_(world)
         grad.copy_(fcol.all_reduce(wire, "sum", pg))
-        return
+        return compressor.spec, compressor.wire_bytes(n, world), dense
     if isinstance(compressor, Quantizer):
         mean = _quantized(compressor, flat, residuals, param, pg, world)
+        sent = compressor.wire_bytes(n, world, dist.get_rank(pg))
+        path = f"q_{compressor.resolve_algorithm(world)}"
     else:
         ef = compressor.error_feedback
         residual = _residual(residuals, param, n, grad.device) if ef else None
         mean = _topk(compressor, flat, residual, pg, world)
+        sent = compressor.wire_bytes(n, world)
+        path = "topk_dense" if compressor.use_dense(n, world) else "topk_all_gather"
     grad.copy_(mean.view(grad.shape))
+    return path, sent, dense
 
 
 def _quantized(q: Quantizer, flat, residuals: dict, param, pg, world: int) -> torch.Tensor:

@@ -71,10 +71,14 @@ def check_parity(rank, world, name, default):
     params, state = python_reducer_run(rank, make_state, hook, compiled=True)
     assert identical_across_ranks(params, world), "replicas differ"
     eager, _ = python_reducer_run(rank, make_state, hook, compiled=False)
+    stats = state.stats()
+    state.reset_stats()
     return dict(
         rel=off_default(params, default()),
         equal_to_eager=torch.equal(params, eager),
         residuals=len(state.param_residuals),
+        stats=stats,
+        after_reset=state.stats(),
     )
 
 
@@ -128,6 +132,13 @@ def test_python_reducer_parity(groups, method):
         assert r["rel"] < CASES[method][2], r
         assert r["rel"] > 0, "a lossy hook that changes nothing is not compressing"
         assert r["equal_to_eager"], "the compiled backward differs from the eager hooks"
+        # stats() counts the traced reductions: TINY's 4 parameters, once per step each.
+        stats = r["stats"]
+        assert stats["iteration"] == TINY.steps and stats["calls"] == 4 * TINY.steps, stats
+        assert 0 < stats["bytes_sent"] < stats["dense_bytes"], stats
+        after = r["after_reset"]  # reset_stats() restarts the counts, not the iteration
+        assert after["calls"] == after["bytes_sent"] == 0, after
+        assert after["iteration"] == TINY.steps, after
 
 
 def test_python_reducer_dense_topk(groups):
