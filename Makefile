@@ -33,11 +33,17 @@ demo: all
 test: all nvcc-check
 	$(PY) -m pytest -q tests
 
-# Regenerates benchmarks/kernels_cpu.{json,txt} (benchmarks/README.md lists every result
-# and its command).
+# Regenerates benchmarks/results/kernels/cpu.json (benchmarks/README.md lists every result
+# and its command; each command prints its table).
 bench: all
-	$(PY) -m ddpcomm.bench kernels --sizes 64 --out benchmarks/kernels_cpu.json > benchmarks/kernels_cpu.txt
-	cat benchmarks/kernels_cpu.txt
+	$(PY) -m ddpcomm.bench kernels --sizes 64 --out benchmarks/results/kernels/cpu.json
+
+# The user guide and API reference (docs/) into docs/_build/html, warnings as errors;
+# tests/test_docs.py runs the same build in `make test`.
+.PHONY: docs
+docs: all
+	$(PY) -m sphinx -W --keep-going -q -b html -c docs . docs/_build/html
+	@echo "open docs/_build/html/index.html"
 
 # On a machine with a GPU: builds in place for its card, runs the CUDA tests, compute-sanitizer
 # (memcheck, racecheck, synccheck) and the kernels bench, and writes benchmarks/gpu/<card>.txt.
@@ -108,15 +114,16 @@ $(CUDA_CHECK_DIR)/%.syntax: csrc/cuda/%.cpp $(CUDA_HDRS) $(VENV)/.deps
 
 # The results over shaped 1 and 10 Gbit/s links between network namespaces (needs root;
 # without it the runs fall back to loopback, say so, and should not be committed).
-# Regenerates the collectives_* and train_* files in benchmarks/, as its README lists.
+# Regenerates benchmarks/results/{collectives,train,fsdp}/, as its README lists.
 .PHONY: bench-net
 bench-net: all
-	$(PY) -m ddpcomm.bench collectives --link 1gbit --world 2 --sizes 64 --methods allreduce,q8,q4,q2,q1,topk:0.01,randk:0.01 --iters 9 --out benchmarks/collectives_1gbit_2ranks.json > benchmarks/collectives_1gbit_2ranks.txt
-	$(PY) -m ddpcomm.bench collectives --link 1gbit --world 4 --sizes 64 --methods allreduce,torch-fp16,torch-qpt,q8 --iters 5 --out benchmarks/collectives_1gbit_4ranks.json > benchmarks/collectives_1gbit_4ranks.txt
-	$(PY) -m ddpcomm.bench collectives --link 10gbit --world 2 --sizes 16,64 --methods allreduce,torch-fp16,powersgd-r4,q8,q4,q1 --iters 5 --out benchmarks/collectives_10gbit_2ranks.json > benchmarks/collectives_10gbit_2ranks.txt
-	$(PY) -m ddpcomm.bench train --link 1gbit --methods nocomm,ddp,q8,q4 --out benchmarks/train_1gbit_2ranks.json --plot benchmarks/train_1gbit_2ranks.png > benchmarks/train_1gbit_2ranks.txt
-	$(PY) -m ddpcomm.bench train --link 1gbit --world 4 --steps 60 --methods nocomm,ddp,q8,q4 --out benchmarks/train_1gbit_4ranks.json --plot benchmarks/train_1gbit_4ranks.png > benchmarks/train_1gbit_4ranks.txt
-	$(PY) -m ddpcomm.bench fsdp --link 1gbit --out benchmarks/fsdp_1gbit.json > benchmarks/fsdp_1gbit.txt
+	$(PY) -m ddpcomm.bench collectives --link 1gbit --world 2 --sizes 64 --methods allreduce,q8,q4,q2,q1,topk:0.01,randk:0.01 --iters 9 --out benchmarks/results/collectives/1gbit_2ranks.json
+	$(PY) -m ddpcomm.bench collectives --link 1gbit --world 4 --sizes 64 --methods allreduce,torch-fp16,torch-qpt,q8 --iters 5 --out benchmarks/results/collectives/1gbit_4ranks.json
+	$(PY) -m ddpcomm.bench collectives --link 10gbit --world 2 --sizes 16,64 --methods allreduce,torch-fp16,powersgd-r4,q8,q4,q1 --iters 5 --out benchmarks/results/collectives/10gbit_2ranks.json
+	$(PY) -m ddpcomm.bench train --link 1gbit --methods nocomm,ddp,q8,q4 --out benchmarks/results/train/1gbit_2ranks.json
+	$(PY) -m ddpcomm.bench train --link 1gbit --world 4 --steps 60 --methods nocomm,ddp,q8,q4 --out benchmarks/results/train/1gbit_4ranks.json
+	$(PY) -m ddpcomm.bench fsdp --link 1gbit --out benchmarks/results/fsdp/1gbit.json
+	$(PY) benchmarks/plots.py
 
 # Adaptive pass-through against plain and each fixed method: loopback, 10 and 1 Gbit/s
 # (needs root), 2 and 4 ranks, 1/16/64 MiB; then training with q8 and q8,adaptive (the
@@ -124,16 +131,26 @@ bench-net: all
 ADAPTIVE_METHODS = allreduce,q8,q8,adaptive,q4,q4,adaptive,q2,q2,adaptive,q1,q1,adaptive,topk:0.01,topk:0.01,adaptive,randk:0.01,randk:0.01,adaptive
 .PHONY: bench-adaptive
 bench-adaptive: all
-	$(PY) -m ddpcomm.bench collectives --world 2,4 --sizes 1,16,64 --methods $(ADAPTIVE_METHODS) --iters 15 --out benchmarks/collectives_adaptive_loopback.json > benchmarks/collectives_adaptive_loopback.txt
-	$(PY) -m ddpcomm.bench collectives --link 10gbit --world 2,4 --sizes 1,16,64 --methods $(ADAPTIVE_METHODS) --iters 15 --out benchmarks/collectives_adaptive_10gbit.json > benchmarks/collectives_adaptive_10gbit.txt
-	$(PY) -m ddpcomm.bench collectives --link 1gbit --world 2,4 --sizes 1,16,64 --methods $(ADAPTIVE_METHODS) --iters 15 --out benchmarks/collectives_adaptive_1gbit.json > benchmarks/collectives_adaptive_1gbit.txt
-	$(PY) -m ddpcomm.bench train --warmup-steps 40 --methods ddp,q8,q8,adaptive --out benchmarks/train_adaptive_loopback.json > benchmarks/train_adaptive_loopback.txt
-	$(PY) -m ddpcomm.bench train --link 1gbit --warmup-steps 40 --methods ddp,q8,q8,adaptive --out benchmarks/train_adaptive_1gbit.json > benchmarks/train_adaptive_1gbit.txt
+	$(PY) -m ddpcomm.bench collectives --world 2,4 --sizes 1,16,64 --methods $(ADAPTIVE_METHODS) --iters 15 --out benchmarks/results/adaptive/collectives_loopback.json
+	$(PY) -m ddpcomm.bench collectives --link 10gbit --world 2,4 --sizes 1,16,64 --methods $(ADAPTIVE_METHODS) --iters 15 --out benchmarks/results/adaptive/collectives_10gbit.json
+	$(PY) -m ddpcomm.bench collectives --link 1gbit --world 2,4 --sizes 1,16,64 --methods $(ADAPTIVE_METHODS) --iters 15 --out benchmarks/results/adaptive/collectives_1gbit.json
+	$(PY) -m ddpcomm.bench train --warmup-steps 40 --methods ddp,q8,q8,adaptive --out benchmarks/results/adaptive/train_loopback.json
+	$(PY) -m ddpcomm.bench train --link 1gbit --warmup-steps 40 --methods ddp,q8,q8,adaptive --out benchmarks/results/adaptive/train_1gbit.json
+	$(PY) benchmarks/plots.py
 
-# Low-bit fidelity: each method at its defaults and without its default schedule, on the
-# 600-step AdamW + gradient-accumulation GPT (loopback: losses do not depend on the link).
-FIDELITY_METHODS = ddp,q8,q4,q4,error_feedback,q2,q1,topk:0.01,randk:0.01,q2,start_iter=0,ramp=0,q1,start_iter=0,ramp=0,topk:0.01,start_iter=0,ramp=0,randk:0.01,start_iter=0,ramp=0
-FIDELITY_MODEL = --steps 600 --d-model 128 --heads 4 --vocab 1024 --batch 2 --accum 4 --lr-decay cosine --lr 2e-3 --timeout 900
+# Low-bit fidelity: each method at its defaults (schedules written out, so that rows keep
+# their meaning when a default changes) and without its schedule, on the 600-step AdamW +
+# gradient-accumulation GPT (loopback: losses do not depend on the link), seeds 0-3, on
+# the synthetic language and on English text. One study file per corpus holds every
+# seed's run (the bench writes one run per file; the last line of the loop joins them).
+FIDELITY_METHODS = ddp,q8,q4,q4,error_feedback,q2,start_iter=100,ramp=200,q1,start_iter=100,ramp=200,topk:0.01,start_iter=200,ramp=200,randk:0.01,start_iter=200,ramp=200,q2,start_iter=0,ramp=0,q1,start_iter=0,ramp=0,topk:0.01,start_iter=0,ramp=0,randk:0.01,start_iter=0,ramp=0
+FIDELITY_MODEL = --steps 600 --d-model 128 --heads 4 --batch 2 --accum 4 --lr-decay cosine --lr 2e-3 --timeout 900
+FIDELITY_DATA = markov:--vocab=1024 text:--eval-batch=256
 .PHONY: bench-fidelity
 bench-fidelity: all
-	$(PY) -m ddpcomm.bench train --methods $(FIDELITY_METHODS) $(FIDELITY_MODEL) --out benchmarks/train_fidelity_2ranks.json --plot benchmarks/train_fidelity_2ranks.png > benchmarks/train_fidelity_2ranks.txt
+	mkdir -p bench-out/fidelity
+	set -e; for d in $(FIDELITY_DATA); do c=$${d%%:*}; for s in 0 1 2 3; do \
+	  $(PY) -m ddpcomm.bench train --data $$c $${d#*:} --seed $$s --methods $(FIDELITY_METHODS) $(FIDELITY_MODEL) --out bench-out/fidelity/$$c-$$s.json; done; \
+	  $(PY) -c 'import json, sys; json.dump({"command": "train", "study": "fidelity_" + sys.argv[1], "runs": [json.load(open(p)) for p in sys.argv[2:]]}, open(sys.argv[1].join(("benchmarks/results/fidelity/", ".json")), "w"))' $$c bench-out/fidelity/$$c-?.json; done
+	$(PY) benchmarks/tables.py benchmarks/results/fidelity/markov.json benchmarks/results/fidelity/text.json
+	$(PY) benchmarks/plots.py

@@ -10,7 +10,7 @@ dequantized gradient and of the mean of both ranks':
 - ``absmax`` / ``c*mean``: a round-to-nearest b-bit quantizer in torch whose block
   magnitude is the block absmax, or c * mean |x| clipped at the absmax.
 
-    python benchmarks/quant_error.py > benchmarks/quant_error.txt
+    python benchmarks/quant_error.py > benchmarks/results/quant_error/quant_error.txt
 """
 
 from __future__ import annotations

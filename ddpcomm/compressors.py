@@ -125,10 +125,10 @@ class Quantizer(Compressor):
     """``q8``/``q4``/``q2``/``q1``: block-wise absmax quantization, packed b-bit codes.
 
     Args:
-        bits: 8, 4, 2 or 1. ``q1`` sends sign x block mean |x| (signSGD with scale); ``q2``
-            sends -m, 0 or +m with m = min(max |x|, 1.5 mean |x|), the clip that halves
-            its error on transformer gradients against m = max |x| (0.78 -> 0.40 relative
-            L2 per step, csrc/numerics.h).
+        bits: 8, 4, 2 or 1. ``q1`` sends sign x block mean ``|x|`` (signSGD with scale);
+            ``q2`` sends -m, 0 or +m with ``m = min(max |x|, 1.5 mean |x|)``, the clip that
+            halves its error on transformer gradients against ``m = max |x|`` (0.78 ->
+            0.40 relative L2 per step, csrc/numerics.h).
         block_size: elements per scale; a power of two in [32, 65536]. Larger blocks send
             fewer scale bytes (4 per block) but quantize with a coarser step.
         stochastic: unbiased stochastic rounding instead of round-to-nearest. Costs one

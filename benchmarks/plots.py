@@ -1,0 +1,120 @@
+"""Draws RESULTS.md's figures from the committed results (no benchmark is run):
+
+- ``results/adaptive/speedup_vs_link.png``: each method's speedup over the plain
+  all_reduce of one 64 MiB bucket on a 1 Gbit/s link, a 10 Gbit/s link and loopback;
+- ``results/train/1gbit.png``: bytes on the wire and time per DDP training step;
+- ``results/fidelity/loss.png``: each method's training loss against DDP's at seed 0 of
+  both corpora, at its defaults and without its schedule.
+
+    python benchmarks/plots.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+METHODS = ("q8", "q4", "q2", "q1", "topk:0.01", "randk:0.01")
+COLORS = dict(zip(METHODS, plt.get_cmap("tab10").colors, strict=False))
+
+
+def load(path: str) -> dict:
+    with open(os.path.join(HERE, path)) as f:
+        return json.load(f)
+
+
+def speedup_vs_link() -> None:
+    links = [("1 Gbit/s", "1gbit"), ("10 Gbit/s", "10gbit"), ("loopback", "loopback")]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, world in zip(axes, (2, 4), strict=True):
+        for method in METHODS:
+            ys = []
+            for _, name in links:
+                rows = load(f"adaptive/collectives_{name}.json")["rows"]
+                t = {r["method"]: r["median_s"] for r in rows if _case(r, world)}
+                ys.append(t["allreduce"] / t[method])
+            ax.plot(range(len(links)), ys, "o-", color=COLORS[method], label=method)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(range(len(links)), [label for label, _ in links])
+        ax.set_yscale("log")
+        ax.set_title(f"one 64 MiB bucket, {world} ranks")
+    axes[0].set_ylabel("speedup over plain all_reduce")
+    axes[0].legend(fontsize=8)
+    _save(fig, "adaptive/speedup_vs_link.png")
+
+
+def _case(row: dict, world: int) -> bool:
+    return row["world"] == world and row["size_mib"] == 64 and row["status"] == "ok"
+
+
+def train_steps() -> None:
+    fig, (ax_mb, ax_ms) = plt.subplots(1, 2, figsize=(10, 3.8))
+    width = 0.38
+    for i, world in enumerate((2, 4)):
+        rows = load(f"train/1gbit_{world}ranks.json")["rows"]
+        names = [r["method"] for r in rows]
+        xs = [j + (i - 0.5) * width for j in range(len(rows))]
+        mb = [r.get("wire_bytes_per_step", 0) / 1e6 for r in rows]
+        ms = [r["median_step_s"] * 1e3 for r in rows]
+        ax_mb.bar(xs, mb, width, label=f"{world} ranks")
+        ax_ms.bar(xs, ms, width, label=f"{world} ranks")
+    for ax, label in ((ax_mb, "MB on the wire per step and rank"), (ax_ms, "ms per step")):
+        ax.set_xticks(range(len(names)), names)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle("DDP training, 16.8M-parameter GPT, 1 Gbit/s (nocomm: no gradient exchange)")
+    _save(fig, "train/1gbit.png")
+
+
+def fidelity_loss() -> None:
+    from tables import default_spec
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, corpus in zip(axes, ("markov", "text"), strict=True):
+        runs = [r for r in load(f"fidelity/{corpus}.json")["runs"] if r["args"]["seed"] == 0]
+        curves = {}
+        for run in sorted(runs, key=lambda r: r["environment"]["date_utc"]):  # latest wins
+            base = _smooth(next(r for r in run["rows"] if r["method"] == "ddp")["loss"])
+            for r in run["rows"]:
+                if r["status"] == "ok" and r["method"] != "ddp":
+                    ratio = zip(_smooth(r["loss"]), base, strict=True)
+                    curves[r["method"]] = [a / b - 1 for a, b in ratio]
+        for method in METHODS:
+            spec = default_spec(method)
+            if spec in curves:
+                ax.plot(curves[spec], color=COLORS[method], label=f"{method} (defaults)")
+            bare = f"{method},start_iter=0,ramp=0"
+            if bare in curves:
+                ax.plot(curves[bare], color=COLORS[method], ls=":", lw=1)
+        ax.axhline(0.0, color="gray", lw=0.8)
+        ax.set_yscale("symlog", linthresh=0.02)
+        ax.set_xlabel("step")
+        ax.set_title(f"{corpus}, seed 0 (dotted: no schedule)")
+    axes[0].set_ylabel("training loss / DDP's - 1 (25-step mean)")
+    axes[1].legend(fontsize=8, loc="lower right")
+    _save(fig, "fidelity/loss.png")
+
+
+def _smooth(xs: list[float], n: int = 25) -> list[float]:
+    """The mean of the last ``n`` values at each step (fewer at the start)."""
+    return [statistics.fmean(xs[max(0, i - n + 1) : i + 1]) for i in range(len(xs))]
+
+
+def _save(fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(os.path.join(HERE, path), dpi=90)
+    plt.close(fig)
+    print(os.path.join("benchmarks/results", path))
+
+
+if __name__ == "__main__":
+    speedup_vs_link()
+    train_steps()
+    fidelity_loss()
