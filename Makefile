@@ -46,7 +46,7 @@ docs: all
 	@echo "open docs/_build/html/index.html"
 
 # On a machine with a GPU: builds in place for its card, runs the CUDA tests, compute-sanitizer
-# (memcheck, racecheck, synccheck) and the kernels bench, and writes benchmarks/gpu/<card>.txt.
+# (memcheck, racecheck, synccheck) and the kernels bench, and writes benchmarks/results/gpu/<card>.txt.
 # It uses the machine's own python3 (no venv, no installs); without a GPU it skips those steps.
 # Where a command may run 10 minutes at most: GPU_CHECK="--only build", then "--only tests,sanitize",
 # then "--only bench" (the report keeps every step's last outcome).

@@ -10,7 +10,7 @@ ddpcomm in place for the card it finds, then runs, each step with a deadline:
   split and radix-select sizes included);
 - ``python -m ddpcomm.bench kernels --device cuda`` at 64 and 256 MB, last and alone.
 
-It writes ``benchmarks/gpu/<card>.txt``: pass/fail per step, then GB/s and % of a
+It writes ``benchmarks/results/gpu/<card>.txt``: pass/fail per step, then GB/s and % of a
 device-to-device copy per op, with the targets (and ``<card>.txt.json``, the same as
 data). ``--only`` runs some steps and keeps the others' last outcomes, for sessions whose
 commands are limited to 10 minutes (each step fits in 9). Without a GPU (or without torch) every
@@ -128,7 +128,7 @@ STEPS = ("build", "tests", "sanitize", "bench")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="report path (default benchmarks/gpu/<card>.txt)")
+    parser.add_argument("--out", help="report path (default benchmarks/results/gpu/<card>.txt)")
     parser.add_argument(
         "--only",
         default=",".join(STEPS),
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     path = None
     if gpu is not None:
         card = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-").lower()
-        path = args.out or os.path.join(ROOT, "benchmarks", "gpu", f"{card}.txt")
+        path = args.out or os.path.join(ROOT, "benchmarks", "results", "gpu", f"{card}.txt")
         previous = {}
         if os.path.exists(path + ".json"):  # the steps of earlier --only runs on this card
             with open(path + ".json") as f:
