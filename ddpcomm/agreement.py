@@ -80,6 +80,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from ddpcomm import groups
 from ddpcomm.groups import group_timeout
 
 TIMEOUT_ENV = "DDPCOMM_AGREEMENT_TIMEOUT"
@@ -258,12 +259,12 @@ def agree_repeated(
         ch.order = ""
 
 
-def exchange(pg: dist.ProcessGroup, value: str, what: str, *, limit: float) -> list[str]:
+def exchange(pg: dist.ProcessGroup, value: str, what: str, *, limit: float | None) -> list[str]:
     """Every rank's ``value`` in group-rank order, through the store (a check in the same
     sequence as ``agree``: ranks must call it at the same point). Missing ranks after
-    ``limit`` seconds raise the same RuntimeError as ``agree``. A one-rank group, or one
-    whose store torch does not expose, gets ``[value]`` from a one-rank group and a
-    RuntimeError otherwise."""
+    ``limit`` seconds (None: the group's timeout) raise the same RuntimeError as
+    ``agree``. A one-rank group, or one whose store torch does not expose, gets
+    ``[value]`` from a one-rank group and a RuntimeError otherwise."""
     if value.startswith(_ABORT):
         raise ValueError(f"an exchanged value cannot start with {_ABORT!r}")
     ch = channel(pg)
@@ -273,6 +274,21 @@ def exchange(pg: dist.ProcessGroup, value: str, what: str, *, limit: float) -> l
         raise RuntimeError(f"ddpcomm: {what} needs the process group's store, which is hidden")
     with ch.lock:
         return _publish_and_read(ch, value, what, limit, None)[1]
+
+
+def node_size(pg: dist.ProcessGroup, hierarchy, *, limit: float | None = None):
+    """``groups.node_size`` for ``pg``: ``(L, why)``, or ``(None, why)`` for flat. For
+    ``hierarchy="auto"`` every rank's torchrun placement (``groups.local_report``) goes
+    through the store first (``exchange``, a check in the sequence: ranks call it at the
+    same point, after agreeing on ``hierarchy`` itself), so every rank decides on the same
+    reports and alike. ``limit``: seconds to wait for every rank (None: the group's
+    timeout). Raises ValueError for an int that does not divide the group's size."""
+    reports = None
+    if hierarchy == "auto":
+        reports = exchange(
+            pg, groups.local_report(), "the exchange of hierarchy='auto'", limit=limit
+        )
+    return groups.node_size(pg, hierarchy, reports)
 
 
 def _publish_and_read(ch: Channel, mine: str, what: str, limit, warn_after):

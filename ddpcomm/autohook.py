@@ -244,8 +244,18 @@ def summary_line(states, spec: str | None = None) -> str:
     return (
         f"ddpcomm: {method}: {buckets - plain} buckets compressed{why}, {plain} plain; "
         f"{sent / 1e6:.2f} MB sent vs {dense / 1e6:.2f} MB plain ({ratio}); "
-        f"{seconds:.3f} s compressing"
+        f"{_across_nodes(stats)}{seconds:.3f} s compressing"
     )
+
+
+def _across_nodes(stats: list[dict]) -> str:
+    """Under a hierarchy: the bytes that crossed nodes against a flat all_reduce's, or ""."""
+    cross = sum(st.get("cross_node_bytes", 0) for st in stats)
+    flat = sum(st.get("cross_node_dense_bytes", 0) for st in stats)
+    if not flat:
+        return ""
+    ratio = f"{flat / cross:.2f}x less" if cross else "nothing sent"
+    return f"across nodes {cross / 1e6:.2f} MB vs {flat / 1e6:.2f} MB flat ({ratio}); "
 
 
 def _why_plain(state, steps: int) -> str:

@@ -33,6 +33,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from ddpcomm import groups
 from ddpcomm.adaptive import COMPRESSED, PLAIN
 from ddpcomm.ops import numpy_bool
 
@@ -47,8 +48,8 @@ _INT64_MAX = 2**63 - 1  # iteration and friends become an op's int64 step argume
 _WHOLE_KINDS = ("q", "topk", "randk")
 _OWNER_KIND = "q_owner"
 # A two-level reduction's cross-node step keeps its shard's residuals as "shard:<kind>"
-# (context.ReduceContext.across): a part of the bucket, whose size depends on the node
-# layout, which a state_dict does not record.
+# (context.ReduceContext.across): the saved rank's shard of the bucket in the node layout
+# the state_dict records ("local_size"), or that shard's two-phase chunk across nodes.
 _SHARD = "shard:"
 
 
@@ -189,6 +190,19 @@ def validate(sd, compressor=None, name: str = "state_dict") -> dict:
             raise ValueError(
                 f"{name}['rank'] must be < its 'world_size' {out['world_size']}, got {out['rank']}"
             )
+    if "hierarchy" in sd:  # absent from checkpoints before hierarchies: flat
+        try:
+            out["hierarchy"] = groups.check_hierarchy(sd["hierarchy"])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{name}['hierarchy']: {exc}") from None
+    if "local_size" in sd:  # the node size decided; absent when flat or not yet decided
+        out["local_size"] = local = _int(sd["local_size"], f"{name}['local_size']", 2)
+        world = out.get("world_size")
+        if world is not None and (world % local or world == local):
+            raise ValueError(
+                f"{name}['local_size'] must divide its 'world_size' {world} into 2 or more "
+                f"nodes, got {local}"
+            )
     # Shapes and ordinals come back as tuples of ints, whatever the file made of them, so
     # that they compare equal to those a hook computes.
     out["memory"] = _check_memory(sd["memory"], f"{name}['memory']", out, compressor)
@@ -233,7 +247,7 @@ def _check_memory(memory, name: str, sd: dict, compressor) -> dict:
         shapes = tuple(_shapes(signatures[key], f"{name}['signatures'][{key!r}]"))
         numel = sum(math.prod(s) for s in shapes)
         if key[0].startswith(_SHARD):
-            expected = None
+            expected = _shard_numel(key[0].removeprefix(_SHARD), numel, sd, compressor)
         elif key[0] == _OWNER_KIND:
             expected = _owner_numel(numel, sd, compressor)
         else:
@@ -298,7 +312,26 @@ def _owner_numel(numel: int, sd: dict, compressor) -> int | None:
     return max(0, min(numel, (rank + 1) * chunk) - rank * chunk)
 
 
+def _shard_numel(kind: str, numel: int, sd: dict, compressor) -> int | None:
+    """Elements of the saved rank's residual of a two-level reduction's cross-node step:
+    its shard of a ``numel``-element bucket (groups.shard_range), or for the owner
+    residual its two-phase chunk of that shard across the nodes; None when the node size,
+    the rank or the block is unknown."""
+    local, rank, world = sd.get("local_size"), sd.get("rank"), sd.get("world_size")
+    if local is None or rank is None or world is None:
+        return None
+    lo, hi = groups.shard_range(numel, local, rank % local)
+    if kind != _OWNER_KIND:
+        return hi - lo
+    if not hasattr(compressor, "chunk_numel"):
+        return None
+    chunk, node = compressor.chunk_numel(hi - lo, world // local), rank // local
+    return max(0, min(hi - lo, (node + 1) * chunk) - node * chunk)
+
+
 def _size_rule(kind: str, numel: int) -> str:
+    if kind.startswith(_SHARD):
+        return f"the saved rank's shard of its signature's {numel}-element bucket"
     if kind == _OWNER_KIND:
         return f"the saved rank's two-phase chunk of its signature's {numel}-element bucket"
     return "the sum of its signature's shapes"

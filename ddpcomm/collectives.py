@@ -2,10 +2,11 @@
 
 ``all_reduce_mean(flat, compressor, ctx)`` is the one entry point: it picks the algorithm
 of the compressor's method and returns a ``torch.futures.Future`` of the mean over ranks,
-in ``flat``'s dtype, bitwise the same on every rank. Nothing here knows about DDP: hooks.py
-adapts buckets to it. The bookkeeping every algorithm shares (residuals, reused buffers,
-stats) lives in context.py, the Futures and their CUDA ordering in futures.py, the
-collective-order sequencer in groups.py.
+in ``flat``'s dtype, bitwise the same on every rank (``two_level.py`` composes it for
+multi-node groups; the algorithms here do not know about nodes). Nothing here knows
+about DDP: hooks.py adapts buckets to it. The bookkeeping every algorithm shares
+(residuals, reused buffers, stats) lives in context.py, the Futures and their CUDA
+ordering in futures.py, the collective-order sequencer in groups.py.
 
 On CUDA, kernels run on the current stream, collectives order themselves against it, and
 every Future returned is the collective's own, a ``then`` of one, or a device Future: DDP's
@@ -15,7 +16,6 @@ a device value on the host: whether a step was finite stays a device flag.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import math
@@ -34,7 +34,17 @@ from ddpcomm.compressors import (
     dense_bytes,
 )
 from ddpcomm.context import ReduceContext
-from ddpcomm.futures import Future, completed, device_future, fail, join, resolve, then
+from ddpcomm.futures import (
+    Future,
+    completed,
+    current_stream,
+    device_future,
+    fail,
+    join,
+    on_stream,
+    resolve,
+    then,
+)
 from ddpcomm.groups import all_gather_single, sequencer
 
 
@@ -353,11 +363,11 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
             error = exc
         # Phase 2 may be issued from a later bucket's callback (ticket order), on another
         # thread: it must wait for this callback's stream, which wrote `reply`.
-        stream = torch.cuda.current_stream(flat.device) if flat.is_cuda else None
+        stream = current_stream(flat)
         rows = gathered[world * c0 * rec : world * c1 * rec]
 
         def issue():
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            with on_stream(stream):
                 w2 = all_gather_single(rows, reply, group=seq.companion, async_op=True)
             if error is not None:
                 then(w2.get_future(), lambda _: fail(result, error))

@@ -6,7 +6,8 @@ the benchmark CLI): ``none``, ``fp16``, ``bf16``, ``q8``, ``q4``, ``q2``, ``q1``
 (``"q4,error_feedback,block_size=128"``). ``parse`` turns a spec plus keyword options into
 a compressor; a compressor object passes through unchanged. Options of the DDP hook states
 (``STATE_OPTIONS``: ``start_iter``, ``min_numel``, ``ramp``, ``adaptive``,
-``adaptive_every``) may ride in the same string (``"q8,adaptive"``); ``parse`` refuses them.
+``adaptive_every``, ``hierarchy``) may ride in the same string (``"q8,adaptive"``,
+``"q4,hierarchy=auto"``); ``parse`` refuses them.
 ``ramp_stages`` lists the milder methods a hook state's ramp steps through before the
 method itself, and ``default_schedule`` the warm-up and ramp a hook state uses unless told.
 
@@ -353,7 +354,8 @@ class RandomK(_Sparsifier):
 
 SPECS = ("none", "fp16", "bf16", "q8", "q4", "q2", "q1", "topk:R", "randk:R")
 # Options a spec string may carry that belong to the hook state, not to the method.
-STATE_OPTIONS = ("start_iter", "min_numel", "ramp", "adaptive", "adaptive_every")
+# ``hierarchy`` (ranks per node, or "auto") also rides in ddpcomm.all_reduce's spec.
+STATE_OPTIONS = ("start_iter", "min_numel", "ramp", "adaptive", "adaptive_every", "hierarchy")
 _VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -430,14 +432,15 @@ def join_spec(method: str, options: dict) -> str:
     return ",".join([method, *(f"{k}={_value_text(v)}" for k, v in options.items())])
 
 
-def take_state_options(spec: str) -> tuple[str, dict]:
+def take_state_options(spec: str, names: tuple[str, ...] = STATE_OPTIONS) -> tuple[str, dict]:
     """``"q1,ramp=200,block_size=128"`` -> ``("q1,block_size=128", {"ramp": 200})``: the
-    hook states' options (``STATE_OPTIONS``) taken out of a spec, the rest left for ``parse``.
+    hook states' options (``STATE_OPTIONS``, or those of them in ``names``) taken out of a
+    spec, the rest left for ``parse``.
     """
     _, options = split_spec(spec)  # validates the whole spec
-    state = {k: options[k] for k in STATE_OPTIONS if k in options}
+    state = {k: options[k] for k in names if k in options}
     method, *parts = spec.split(",")
-    kept = [p for p in parts if p.strip().partition("=")[0].strip().lower() not in STATE_OPTIONS]
+    kept = [p for p in parts if p.strip().partition("=")[0].strip().lower() not in names]
     return ",".join([method, *kept]), state
 
 

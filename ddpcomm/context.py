@@ -24,6 +24,10 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+# The residual kinds and buffer names of a two-level reduction's cross-node step start
+# with this (ReduceContext.across).
+SHARD = "shard:"
+
 # --------------------------------------------------------------------------------------
 # Stats and per-bucket memory
 # --------------------------------------------------------------------------------------
@@ -38,9 +42,37 @@ class Stats:
     ``Compressor.wire_bytes`` is the one formula). ``dense_bytes`` is what a plain
     all_reduce of the same tensors would have sent. ``compress_seconds`` is host time spent
     in (de)compression ops (on CUDA, launch time: kernels run asynchronously).
+
+    Across nodes (a hook state or call with a ``hierarchy`` of N nodes of L ranks, P = NL):
+    ``intra_node_bytes`` and ``cross_node_bytes`` split ``bytes_sent`` into what this rank
+    sends inside its node and to other nodes, ``cross_node_dense_bytes`` is what a plain,
+    flat all_reduce of the same tensors would send across nodes, and ``compression_ratio``
+    becomes ``cross_node_dense_bytes / cross_node_bytes``: what the slow link gained. With
+    ranks numbered node by node, a flat ring all_reduce of S bytes has every rank send
+    D = 2(P-1)/P*S to the next rank of the ring, and N of the ring's P links join a node
+    to the next (each node's last rank sends to the next node's first): D bytes leave
+    every node, D/L per rank, and D(L-1)/L per rank stay inside. A flat collective under
+    a hierarchy (warm-up, small or sparse buckets) is split that way. A two-level
+    reduction sends 2(L-1)/L*S' inside its node (the reduce-scatter and the all-gather,
+    ring schedules; S' is S padded to L equal shards) and across nodes what its method
+    sends for its shard of about S/L over N ranks. So ``none`` two-level has the ratio
+    (P-1)/P / ((N-1)/N) (1.5 at 2 nodes of 2 ranks: each node's shards cross with
+    2(N-1)/N*S in all, the ring's one link with 2(P-1)/P*S), and a compressing method
+    about that times its own ratio on the shard.
     """
 
-    __slots__ = ("bytes_sent", "dense_bytes", "compress_seconds", "calls", "paths", "_lock")
+    __slots__ = (
+        "bytes_sent",
+        "dense_bytes",
+        "compress_seconds",
+        "calls",
+        "paths",
+        "intra_node_bytes",
+        "cross_node_bytes",
+        "cross_node_dense_bytes",
+        "nodes",
+        "_lock",
+    )
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -52,6 +84,10 @@ class Stats:
         self.compress_seconds = 0.0
         self.calls = 0
         self.paths: Counter[str] = Counter()
+        self.intra_node_bytes = 0
+        self.cross_node_bytes = 0
+        self.cross_node_dense_bytes = 0
+        self.nodes = False  # whether anything was counted per node since the reset
 
     def record(self, path: str, sent: int, dense: int) -> None:
         with self._lock:
@@ -60,21 +96,95 @@ class Stats:
             self.dense_bytes += dense
             self.paths[path] += 1
 
+    def record_two_level(self, intra: int, dense: int, cross_dense: int) -> None:
+        """One two-level reduction: its steps inside the node, and what a flat all_reduce
+        would send in all and across nodes. Its cross-node step records through
+        ``across()``."""
+        with self._lock:
+            self.calls += 1
+            self.paths["two_level"] += 1
+            self.bytes_sent += intra
+            self.dense_bytes += dense
+            self.intra_node_bytes += intra
+            self.cross_node_dense_bytes += cross_dense
+            self.nodes = True
+
+    def across(self) -> _Across:
+        """What the cross-node step of a two-level reduction records into."""
+        return _Across(self)
+
+    def flat_over(self, local_size: int) -> _FlatOverNodes:
+        """What a flat collective over nodes of ``local_size`` ranks records into."""
+        return _FlatOverNodes(self, local_size)
+
     def timer(self) -> _Timer:
         """``with stats.timer(): ...`` adds the block's host time to compress_seconds."""
         return _Timer(self)
 
     def as_dict(self) -> dict:
         with self._lock:
-            ratio = self.dense_bytes / self.bytes_sent if self.bytes_sent else float("nan")
-            return {
+            if self.nodes:
+                sent, dense = self.cross_node_bytes, self.cross_node_dense_bytes
+            else:
+                sent, dense = self.bytes_sent, self.dense_bytes
+            d = {
                 "calls": self.calls,
                 "bytes_sent": self.bytes_sent,
                 "dense_bytes": self.dense_bytes,
-                "compression_ratio": ratio,
+                "compression_ratio": dense / sent if sent else float("nan"),
                 "compress_seconds": self.compress_seconds,
                 "paths": dict(self.paths),
             }
+            if self.nodes:
+                d["intra_node_bytes"] = self.intra_node_bytes
+                d["cross_node_bytes"] = self.cross_node_bytes
+                d["cross_node_dense_bytes"] = self.cross_node_dense_bytes
+            return d
+
+
+class _Across:
+    """``Stats`` as the cross-node step of a two-level reduction sees it: the flat
+    algorithm records its path and bytes, which all cross nodes; the call and the flat
+    equivalent were counted by the two-level reduction itself."""
+
+    __slots__ = ("stats",)
+
+    def __init__(self, stats: Stats) -> None:
+        self.stats = stats
+
+    def record(self, path: str, sent: int, dense: int) -> None:
+        s = self.stats
+        with s._lock:
+            s.paths[path] += 1
+            s.bytes_sent += sent
+            s.cross_node_bytes += sent
+            s.nodes = True
+
+    def timer(self) -> _Timer:
+        return self.stats.timer()
+
+
+class _FlatOverNodes:
+    """``Stats`` for a flat collective over nodes of L ranks: counted as it is, and split
+    into the shares that cross nodes by the ring model of ``Stats``' docstring."""
+
+    __slots__ = ("stats", "local_size")
+
+    def __init__(self, stats: Stats, local_size: int) -> None:
+        self.stats = stats
+        self.local_size = local_size
+
+    def record(self, path: str, sent: int, dense: int) -> None:
+        s = self.stats
+        s.record(path, sent, dense)
+        with s._lock:
+            s.cross_node_bytes += sent // self.local_size
+            s.intra_node_bytes += sent - sent // self.local_size
+            s.cross_node_dense_bytes += dense // self.local_size
+            s.nodes = True
+
+    def timer(self) -> _Timer:
+        return self.stats.timer()
 
 
 class _Timer:
@@ -343,12 +453,27 @@ class ReduceContext:
     """Everything an algorithm needs beyond the tensor and the method: the group, the
     bucket's key, the step, and where residuals, buffers and stats live.
 
+    ``part`` prefixes the residual kinds and buffer names of a call that reduces a part of
+    the bucket: the cross-node step of a two-level reduction (``across``) keeps its shard's
+    residuals as ``"shard:q"`` etc. under the bucket's own key, so a state that switches
+    between flat and two-level never mixes a whole-bucket residual with a shard's.
+
     The group is held weakly: the algorithms' callbacks hold the context, and a callback
     must never hold the last reference to a process group, whose destructor would then
     run on (and try to join) that group's own worker thread.
     """
 
-    __slots__ = ("_group", "memory", "key", "step", "signature", "stats", "workspace", "residuals")
+    __slots__ = (
+        "_group",
+        "memory",
+        "key",
+        "step",
+        "signature",
+        "stats",
+        "workspace",
+        "residuals",
+        "part",
+    )
 
     def __init__(
         self,
@@ -359,6 +484,7 @@ class ReduceContext:
         signature=None,
         stats: Stats | None = None,
         workspace: Workspace | None = None,
+        part: str = "",
     ) -> None:
         self._group = None if group is None else weakref.ref(group)
         self.memory = memory
@@ -368,6 +494,22 @@ class ReduceContext:
         self.stats = Stats() if stats is None else stats
         self.workspace = workspace
         self.residuals: list[torch.Tensor] = []  # handed out by residual(), for resets
+        self.part = part
+
+    def across(self, group: dist.ProcessGroup) -> ReduceContext:
+        """The context of a two-level reduction's cross-node step, over ``group``: the same
+        bucket, step, memory and workspace; residuals and buffers of part ``"shard:"``;
+        bytes counted as crossing nodes (``Stats.across``)."""
+        return ReduceContext(
+            group,
+            self.memory,
+            self.key,
+            self.step,
+            self.signature,
+            self.stats.across(),
+            self.workspace,
+            part=SHARD + self.part,
+        )
 
     @property
     def pg(self) -> dist.ProcessGroup:
@@ -382,7 +524,7 @@ class ReduceContext:
         """A uint8 scratch buffer: the workspace's for this key, or a new one."""
         if self.workspace is None:
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return self.workspace.get(name, self.key, nbytes, device)
+        return self.workspace.get(self.part + name, self.key, nbytes, device)
 
     def link(self) -> LinkRate | None:
         """This bucket's LinkRate: the workspace's, or None (one-off calls measure nothing)."""
@@ -391,7 +533,7 @@ class ReduceContext:
     def residual(self, kind: str, numel: int, device) -> torch.Tensor:
         if self.memory is None:
             raise ValueError("error feedback needs a ResidualMemory in the ReduceContext")
-        buf = self.memory.get(kind, self.key, numel, device, self.signature)
+        buf = self.memory.get(self.part + kind, self.key, numel, device, self.signature)
         self.residuals.append(buf)
         return buf
 

@@ -55,8 +55,13 @@ RESIDUAL_DTYPES = (torch.float32, torch.bfloat16)
 VERSION = 1
 _SD_KEYS = ("config", "steps", "memory")
 # The hook states' options that FSDP2 has no use for: one reduction per parameter group
-# and backward has no DDP buckets to ramp or route.
-_DDP_ONLY_OPTIONS = ("ramp", "adaptive", "adaptive_every")
+# and backward has no DDP buckets to ramp or route, and HSDP is its own two-level form.
+_DDP_ONLY_OPTIONS = ("ramp", "adaptive", "adaptive_every", "hierarchy")
+_DDP_ONLY_WHY = {
+    "hierarchy": "; HSDP (fully_shard over a 2-D DeviceMesh: sharded inside a node, "
+    "replicated across nodes) is FSDP2's two-level form, and ddpcomm.fsdp.compress "
+    "compresses its replica all-reduce"
+}
 _INT64_MAX = 2**63 - 1
 
 
@@ -143,9 +148,9 @@ class FSDPCompressionState:
         ddp_only = [name for name in _DDP_ONLY_OPTIONS if name in options]
         if ddp_only:
             raise ValueError(
-                f"FSDP2 does not take {ddp_only[0]} (an option of the DDP hook states); "
-                f"FSDPCompressionState takes start_iter and min_numel, got {ddp_only[0]}="
-                f"{options[ddp_only[0]]!r}"
+                f"FSDP2 does not take {ddp_only[0]} (an option of the DDP hook states"
+                f"{_DDP_ONLY_WHY.get(ddp_only[0], '')}); FSDPCompressionState takes "
+                f"start_iter and min_numel, got {ddp_only[0]}={options[ddp_only[0]]!r}"
             )
         if isinstance(compression, str):
             spec = compression
@@ -154,8 +159,8 @@ class FSDPCompressionState:
                 if name not in given:
                     raise ValueError(
                         f"compression spec {spec!r}: FSDP2 does not take {name} (an option of "
-                        "the DDP hook states); FSDPCompressionState takes start_iter and "
-                        "min_numel"
+                        f"the DDP hook states{_DDP_ONLY_WHY.get(name, '')}); "
+                        "FSDPCompressionState takes start_iter and min_numel"
                     )
                 if given[name] is not None and given[name] != value:
                     raise ValueError(

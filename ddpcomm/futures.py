@@ -33,6 +33,7 @@ suite proves every algorithm keeps the rule (tests/test_stream_rule.py).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
 import time
@@ -207,6 +208,17 @@ def fail(fut: Future, error: BaseException) -> None:
     """Completes ``fut`` with ``error``: its waiters read no tensors, so nothing is owed."""
     _cover(None)
     fut.set_exception(error)
+
+
+def current_stream(t: torch.Tensor):
+    """The current CUDA stream of ``t``'s device (None for a CPU tensor): where a callback's
+    kernels for ``t`` ran, for a collective issued later from another thread to follow."""
+    return torch.cuda.current_stream(t.device) if t.is_cuda else None
+
+
+def on_stream(stream):
+    """``torch.cuda.stream(stream)``, or nothing for None (CPU tensors)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def completed(value, device: torch.device) -> Future:

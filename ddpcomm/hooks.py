@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ddpcomm import agreement, checkpoint, collectives, traced
+from ddpcomm import agreement, checkpoint, collectives, groups, traced, two_level
 from ddpcomm.adaptive import DEFAULT_EVERY, MIN_EVERY, Adaptive
 from ddpcomm.compressors import (
     Compressor,
@@ -73,10 +73,22 @@ class CompressionState:
             with it, which buckets are compressed depends on measured speed, so two runs
             of the same script need not give the same numbers bit for bit.
         adaptive_every: steps from one adaptive decision to the next round of timings.
+        hierarchy: multi-node training. None (default): one flat reduction over the
+            group. An int L: L consecutive ranks of the group form a node, and each
+            compressed bucket is reduced in two levels (``two_level.two_level_mean``):
+            exactly inside the node (reduce-scatter, the fast link), with the method
+            across nodes on 1/L of the bucket per rank (the slow link, the only
+            compressed step), then all-gathered inside the node. ``"auto"``: L from
+            torchrun's ``LOCAL_WORLD_SIZE``, where every rank reports the same and the
+            group falls into whole nodes (``groups.node_size``), else flat. L = 1 or L =
+            the group's size means flat (nothing to split, or nothing crosses nodes).
+            ``stats()["hierarchy"]`` says what was decided and why, and ``stats()``
+            counts bytes inside and across nodes. Warm-up, small and sparse buckets stay
+            one flat, exact all_reduce. Not with ``adaptive``.
         **options: the method's options (``block_size``, ``error_feedback``, ...; see its
             class in ``ddpcomm.compressors``), with a spec string only. A spec string may
-            also carry them and ``start_iter``, ``min_numel``, ``ramp`` after commas:
-            ``"q1,start_iter=50,ramp=200"``.
+            also carry them and ``start_iter``, ``min_numel``, ``ramp``, ``hierarchy``
+            after commas: ``"q1,start_iter=50,ramp=200"``, ``"q4,hierarchy=auto"``.
 
     Example::
 
@@ -103,6 +115,9 @@ class CompressionState:
         "_pending_position",
         "_stages",
         "param_residuals",
+        "hierarchy",
+        "_nodes",
+        "_pending_nodes",
         "__weakref__",
     )
 
@@ -115,6 +130,7 @@ class CompressionState:
         ramp: int | None = None,
         adaptive: bool = False,
         adaptive_every: int = DEFAULT_EVERY,
+        hierarchy: int | str | None = None,
         **options,
     ) -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
@@ -127,9 +143,11 @@ class CompressionState:
                 "ramp": ramp,
                 "adaptive": adaptive,
                 "adaptive_every": adaptive_every,
+                "hierarchy": hierarchy,
             }
             default = {"start_iter": None, "ramp": None, "min_numel": 0, "adaptive": False}
             default["adaptive_every"] = DEFAULT_EVERY
+            default["hierarchy"] = None
             for name, value in spec_state.items():
                 if given[name] not in (default[name], value):
                     raise ValueError(
@@ -139,8 +157,22 @@ class CompressionState:
                 given[name] = value
             start_iter, min_numel, ramp = given["start_iter"], given["min_numel"], given["ramp"]
             adaptive, adaptive_every = given["adaptive"], given["adaptive_every"]
+            hierarchy = given["hierarchy"]
         self.compressor = parse(compression, **options)
         self.adaptive = _make_adaptive(self.compressor, adaptive, adaptive_every)
+        self.hierarchy = groups.check_hierarchy(hierarchy)
+        if self.hierarchy is not None and self.adaptive is not None:
+            raise ValueError(
+                f"hierarchy={self.hierarchy!r} cannot be combined with adaptive=True: adaptive "
+                "times the flat paths only; give one of them"
+            )
+        if isinstance(self.hierarchy, int) and dist.is_initialized():
+            # Checked here where the group exists already, else at the first reduction.
+            groups.node_size(_group(process_group), self.hierarchy)
+        # (L, why) once decided, at this process's first iteration (_check_first_iteration).
+        self._nodes: tuple[int | None, str] | None = None
+        # (local_size,) a loaded state_dict was saved with, checked against the decision.
+        self._pending_nodes: tuple[int | None] | None = None
         default_start, default_ramp = default_schedule(self.compressor)
         self.start_iter = check_int(_or(start_iter, default_start), "start_iter", 0)
         self.min_numel = check_int(min_numel, "min_numel", 0)
@@ -172,6 +204,9 @@ class CompressionState:
             d["gloo_pieces"] = {k: link.as_dict() for k, link in self.workspace.links.items()}
         if self.adaptive is not None:
             d["adaptive"] = self.adaptive.stats(self.start_iter)
+        if self.hierarchy is not None:
+            local, why = self._nodes or (None, "decided at the first reduction")
+            d["hierarchy"] = {"local_size": local, "why": why}
         return d
 
     def reset_stats(self) -> None:
@@ -182,24 +217,45 @@ class CompressionState:
 
     def reduce(self, flat: torch.Tensor, key: int, signature: tuple) -> torch.futures.Future:
         """Mean over ranks of one bucket's flat gradients: plain before ``start_iter`` and
-        for small buckets, compressed otherwise. ``signature`` keys the residuals."""
+        for small buckets, compressed otherwise, in two levels under a ``hierarchy``.
+        ``signature`` keys the residuals."""
+        local = self._local_size()
         ctx = ReduceContext(
             group=self.process_group,
             memory=self.memory,
             key=key,
             step=self.iteration,
             signature=signature,
-            stats=self._stats,
+            # A flat collective over nodes: its node-crossing share counted too.
+            stats=self._stats if local is None else self._stats.flat_over(local),
             workspace=self.workspace,
         )
         if flat.layout != torch.strided:
             return collectives.sparse_all_reduce(flat, ctx)
         if self.iteration < self.start_iter or flat.numel() < self.min_numel:
+            # Exact anyway: one all_reduce, which NCCL already routes by topology.
             return collectives.plain_all_reduce(flat, ctx)
+        compressor = self.compressor_at(self.iteration)
         if self.adaptive is not None:
             step = self.iteration - self.start_iter
-            return self.adaptive.reduce(flat, self.compressor_at(self.iteration), ctx, step)
-        return collectives.all_reduce_mean(flat, self.compressor_at(self.iteration), ctx)
+            return self.adaptive.reduce(flat, compressor, ctx, step)
+        if local is None:
+            return collectives.all_reduce_mean(flat, compressor, ctx)
+        ctx.stats = self._stats
+        topology = groups.topology(ctx.pg, local, flat.device)
+        return two_level.two_level_mean(flat, compressor, ctx, topology)
+
+    def _local_size(self) -> int | None:
+        """Ranks per node of the two-level reduction, or None for flat. Decided once: for
+        ``"auto"`` through the store, which every rank calls at the same point (the first
+        bucket of its first iteration, after agreeing on ``hierarchy``)."""
+        if self.hierarchy is None:
+            return None
+        if self._nodes is None:
+            self._nodes = agreement.node_size(
+                _group(self.process_group), self.hierarchy, limit=agreement.hook_timeout()
+            )
+        return self._nodes[0]
 
     def compressor_at(self, iteration: int) -> Compressor:
         """The method iteration ``iteration`` compresses with (at or after ``start_iter``):
@@ -233,7 +289,12 @@ class CompressionState:
             "ramp": self.ramp,
             "memory": self.memory.state_dict(),
             "layout": self.layout.state_dict(),
+            # Shard residuals ("shard:<kind>") cover this rank's shard of each bucket in
+            # the node layout decided at the first iteration: both go with them.
+            "hierarchy": self.hierarchy,
         }
+        if self._nodes is not None:
+            sd["local_size"] = self._nodes[0]
         if self.adaptive is not None:
             sd["adaptive"] = self.adaptive.state_dict()
         return checkpoint.gather(sd, self.process_group) if gather else sd
@@ -266,6 +327,17 @@ class CompressionState:
                 f"state_dict was saved with adaptive={'adaptive' in sd}, this state has "
                 f"adaptive={self.adaptive is not None}"
             )
+        saved_hierarchy = sd.get("hierarchy")  # absent from checkpoints before hierarchies
+        if saved_hierarchy != self.hierarchy:
+            if not reset_residuals:
+                raise ValueError(
+                    f"state_dict was saved with hierarchy={saved_hierarchy!r}, this state has "
+                    f"hierarchy={self.hierarchy!r}: its error-feedback residuals belong to the "
+                    "other reduction (a two-level one keeps one shard of each bucket per "
+                    "rank). Give the same hierarchy, or load with reset_residuals=True to keep "
+                    "the iteration and settings and start the residuals from zero"
+                )
+            drop = True
         if self.adaptive is not None:
             self.adaptive.load_state_dict(sd["adaptive"])
         self.iteration = sd["iteration"]
@@ -281,6 +353,9 @@ class CompressionState:
         self.layout = LayoutTracker(loaded=saved)
         self._reformer = Reformer(saved, self) if saved["layouts"] else None
         self._pending_position = pending
+        # The node size the residuals were laid out for, checked against this run's
+        # decision at the first iteration (_check_first_iteration).
+        self._pending_nodes = None if drop or "local_size" not in sd else (sd["local_size"],)
         self._unchecked = True
 
     def __getstate__(self) -> dict:
@@ -296,20 +371,26 @@ class CompressionState:
             d["compressor"],
             adaptive=adaptive is not None,
             adaptive_every=adaptive["every"] if adaptive else DEFAULT_EVERY,
+            hierarchy=d["state"].get("hierarchy"),
         )
         self.load_state_dict(d["state"])
 
     def __repr__(self) -> str:
         adaptive = "" if self.adaptive is None else f"adaptive=True (every {self.adaptive.every}), "
+        hierarchy = "" if self.hierarchy is None else f"hierarchy={self.hierarchy!r}, "
         return (
             f"{type(self).__name__}({self.compressor!r}, start_iter={self.start_iter}, "
-            f"min_numel={self.min_numel}, ramp={self.ramp}, {adaptive}"
+            f"min_numel={self.min_numel}, ramp={self.ramp}, {adaptive}{hierarchy}"
             f"iteration={self.iteration})"
         )
 
 
 def _or(value, default):
     return default if value is None else value
+
+
+def _group(pg: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return pg if pg is not None else dist.group.WORLD
 
 
 def _make_adaptive(compressor: Compressor, adaptive, every) -> Adaptive | None:
@@ -329,7 +410,8 @@ def _make_adaptive(compressor: Compressor, adaptive, every) -> Adaptive | None:
 class _MethodState(CompressionState):
     """A ``CompressionState`` whose method is fixed: ``cls(*args, **options)`` builds
     ``CompressionState(cls.method(*args, **method_options), start_iter, min_numel,
-    process_group, ramp)``, so the method's arguments and defaults are its class's alone."""
+    process_group, ramp, ..., hierarchy)``, so the method's arguments and defaults are its
+    class's alone."""
 
     __slots__ = ()
     method: type[Compressor]
@@ -343,6 +425,7 @@ class _MethodState(CompressionState):
         ramp: int | None = None,
         adaptive: bool = False,
         adaptive_every: int = DEFAULT_EVERY,
+        hierarchy: int | str | None = None,
         **options,
     ) -> None:
         for name, value in options.items():
@@ -355,6 +438,7 @@ class _MethodState(CompressionState):
             ramp,
             adaptive=adaptive,
             adaptive_every=adaptive_every,
+            hierarchy=hierarchy,
         )
 
 
@@ -474,8 +558,9 @@ def _value(fut: torch.futures.Future):
 def _check_first_iteration(state, buffer: torch.Tensor, index: int, hook: str) -> None:
     """Every bucket of this process's first iteration: every rank must reduce a bucket of
     the same size and dtype the same way (method, options, start_iter, min_numel,
-    iteration, ramp). After it DDP's buckets are rank 0's layout, broadcast, and which path a
-    bucket takes follows from the settings agreed here."""
+    iteration, ramp, hierarchy and the node size decided from it). After it DDP's buckets
+    are rank 0's layout, broadcast, and which path a bucket takes follows from the
+    settings agreed here."""
     if state._pending_position is not None:
         now = checkpoint.group_position(state.process_group)
         message = checkpoint.position_error(state._pending_position, now)
@@ -492,10 +577,30 @@ def _check_first_iteration(state, buffer: torch.Tensor, index: int, hook: str) -
         note=f"{hook} with {type(state).__name__}",
         limit=agreement.hook_timeout(),
     )
+    if state.hierarchy is not None:
+        # After agreeing on ``hierarchy``: for "auto" every rank is then in the same store
+        # exchange. Later buckets' records carry the decision.
+        local = state._local_size()
+        if state._pending_nodes is not None:
+            (saved,) = state._pending_nodes
+            state._pending_nodes = None
+            if saved != local:
+                raise ValueError(
+                    f"{hook}: loaded state_dict was saved reducing over nodes of {saved} ranks "
+                    f"(None: flat), this run decides {local} ({state._nodes[1]}): its "
+                    "error-feedback residuals belong to the other layout. Resume with the "
+                    "same nodes, or load with reset_residuals=True"
+                )
 
 
 def _bucket_fields(compressor: Compressor, state, buffer: torch.Tensor, index: int) -> dict:
     fields = {"call": "DDP comm hook", **agreement.method_fields(compressor)}
+    if state is not None and state.hierarchy is not None:
+        # Unlike start_iter below, also for "none": its two-level path issues other
+        # collectives than the flat one (and than allreduce_hook).
+        fields["hierarchy"] = state.hierarchy
+        if state._nodes is not None:
+            fields["local_size"] = state._nodes[0]
     if compressor.lossy:
         # The lossless path ignores them: a "none" state and allreduce_hook agree.
         fields["start_iter"] = state.start_iter

@@ -107,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--option",
         action="append",
         metavar="NAME=VALUE",
-        help="an option of the method or the hook state, e.g. block_size=128 or "
-        "error_feedback=true; a bare NAME means NAME=true (repeatable, or comma-separated)",
+        help="an option of the method or the hook state, e.g. block_size=128, "
+        "error_feedback=true, or hierarchy=auto (multi-node: compress only between nodes, "
+        "found from torchrun); a bare NAME means NAME=true (repeatable, or comma-separated)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run")
     return parser

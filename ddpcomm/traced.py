@@ -144,6 +144,11 @@ def unsupported(state) -> str | None:
     why = _unsupported_method(state.compressor)
     if why is not None:
         return why
+    if getattr(state, "hierarchy", None) is not None:
+        return (
+            "hierarchy needs the bucketed two-level reduction (reduce-scatter inside nodes), "
+            "which the per-parameter traced path does not run; use hierarchy=None"
+        )
     if state.start_iter or state.ramp:
         given = f"start_iter={state.start_iter}, ramp={state.ramp}"
         if default_schedule(state.compressor) == (state.start_iter, state.ramp):

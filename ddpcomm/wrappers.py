@@ -17,6 +17,15 @@ Reductions. ``op`` is ``"sum"``, ``"mean"`` or a ``torch.distributed.ReduceOp``:
 - Lossy methods compute the mean over ranks (``collectives.all_reduce_mean``); ``"sum"``
   multiplies it by the world size. Every rank ends with bitwise the same values.
 
+Multi-node: ``hierarchy`` (a keyword, or in the spec: ``"q8,hierarchy=auto"``) reduces
+in two levels as the hook states do (``two_level.two_level_mean``): exact inside each
+node of L consecutive ranks, the method across nodes, on 1/L of the tensor per rank. An
+int L, or ``"auto"`` for L from torchrun's ``LOCAL_WORLD_SIZE`` (``groups.node_size``;
+decided at the group's first call with it, through the store, then kept); L = 1, L = the
+group's size, or an ``"auto"`` that finds no nodes reduce flat. It applies to ``"sum"`` and
+``"mean"`` of every method, ``"none"`` included (exact up to rounding, no longer bitwise
+``dist.all_reduce``), and is refused with other ReduceOps.
+
 Error feedback needs a residual kept across steps, which a one-off call has nowhere to
 keep: spec strings are built with ``error_feedback=False`` (q1/q2 default it on in hooks),
 and a compressor object with error feedback on is refused. Use the hooks to get it.
@@ -65,10 +74,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ddpcomm import agreement, collectives, ops
-from ddpcomm.compressors import Compressor, parse
+from ddpcomm import agreement, collectives, ops, two_level
+from ddpcomm.compressors import Compressor, parse, take_state_options
 from ddpcomm.context import ReduceContext
 from ddpcomm.futures import completed, join, then
+from ddpcomm.groups import Topology, check_hierarchy, node_size
+from ddpcomm.groups import topology as group_topology
 
 Future = torch.futures.Future
 ReduceOp = dist.ReduceOp
@@ -131,11 +142,21 @@ def _parse_op(op, lossy: bool):
     raise TypeError(f"op must be 'sum', 'mean' or a torch.distributed.ReduceOp, got {op!r}")
 
 
-def _parse_compression(compression) -> Compressor:
+def _parse_compression(compression, hierarchy=None) -> tuple[Compressor, int | str | None]:
+    """The method, and ``hierarchy`` from the keyword or the spec (not both, unless equal)."""
     if isinstance(compression, str):
-        c = parse(compression)
+        spec, state = take_state_options(compression, ("hierarchy",))
+        if "hierarchy" in state:
+            if hierarchy is not None and hierarchy != state["hierarchy"]:
+                raise ValueError(
+                    f"hierarchy given both in the spec {compression!r} and as a keyword "
+                    f"({state['hierarchy']!r}, {hierarchy!r})"
+                )
+            hierarchy = state["hierarchy"]
+        c = parse(spec)
         # Stateless calls cannot carry a residual; build the method without it.
-        return parse(compression, error_feedback=False) if c.error_feedback else c
+        c = parse(spec, error_feedback=False) if c.error_feedback else c
+        return c, check_hierarchy(hierarchy)
     if isinstance(compression, Compressor):
         if compression.error_feedback:
             raise ValueError(
@@ -143,11 +164,31 @@ def _parse_compression(compression) -> Compressor:
                 "kept across steps; ddpcomm.all_reduce is stateless: build it with "
                 "error_feedback=False, or use a DDP hook"
             )
-        return compression
+        return compression, check_hierarchy(hierarchy)
     raise TypeError(
         f"compression must be a spec string (e.g. 'none', 'fp16', 'q8') or a Compressor, "
         f"got {type(compression).__name__}"
     )
+
+
+def _check_hierarchy(hierarchy, op, pg) -> None:
+    """``hierarchy`` against the op, and an int L against the group's size (before any
+    side effect: a refused call tells its peers)."""
+    if hierarchy is not None and op not in _OPS:
+        raise ValueError(
+            f"hierarchy={hierarchy!r} reduces with op 'sum' or 'mean' only (a two-level mean), "
+            f"got op {op}"
+        )
+    if isinstance(hierarchy, int):
+        node_size(pg, hierarchy)
+
+
+def _check_two_level_dtype(hierarchy, t: torch.Tensor, arg: str) -> None:
+    if hierarchy is not None and not t.dtype.is_floating_point:
+        raise TypeError(
+            f"{arg} has dtype {t.dtype}; hierarchy={hierarchy!r} reduces floating point "
+            "tensors only (a mean inside each node, then across nodes)"
+        )
 
 
 def _check_device(t: torch.Tensor, arg: str, pg: dist.ProcessGroup) -> None:
@@ -266,7 +307,31 @@ def _next_step(pg: dist.ProcessGroup) -> int:
         return step
 
 
-def _agree(pg, compressor: Compressor, op, groups: list, fn: str) -> None:
+# Group -> {hierarchy: (L or None, why)}: the node size decided at the group's first call
+# with that hierarchy (for "auto" through the store, on every rank at the same call).
+_NODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _decided(pg: dist.ProcessGroup, hierarchy) -> tuple | None:
+    with _LOCK:
+        return _NODES.get(pg, {}).get(hierarchy)
+
+
+def _topology(pg: dist.ProcessGroup, hierarchy, device) -> Topology | None:
+    """The group's Topology under ``hierarchy``, or None for flat; decided and made at the
+    first call (every rank makes the same calls, agreed before this)."""
+    if hierarchy is None:
+        return None
+    decided = _decided(pg, hierarchy)
+    if decided is None:
+        decided = agreement.node_size(pg, hierarchy)
+        with _LOCK:
+            _NODES.setdefault(pg, {})[hierarchy] = decided
+    local = decided[0]
+    return None if local is None else group_topology(pg, local, device)
+
+
+def _agree(pg, compressor: Compressor, op, groups: list, fn: str, hierarchy=None) -> None:
     """Before any collective: ranks that differ in the method, op, or the dtypes and sizes
     of the tensors (per collective, in order) get a ValueError on every rank, instead of
     a backend abort, a hang, or different values on different ranks. Checked through the
@@ -281,6 +346,11 @@ def _agree(pg, compressor: Compressor, op, groups: list, fn: str) -> None:
         "op": agreement.plain(op),
         "tensors": tensors,
     }
+    if hierarchy is not None:
+        fields["hierarchy"] = hierarchy
+        decided = _decided(pg, hierarchy)
+        if decided is not None:
+            fields["local_size"] = decided[0]
     # The call's name in a mismatch message that counts each rank's calls.
     shapes = " ".join(f"{dtype}{numels}" for dtype, numels in tensors)
     label = f"{fn}({compressor.spec}, op={agreement.plain(op)}, {shapes or 'nothing'})"
@@ -294,13 +364,17 @@ def _agree(pg, compressor: Compressor, op, groups: list, fn: str) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def _issue(flat: torch.Tensor, compressor: Compressor, op, pg, step: int, key: int):
+def _issue(flat: torch.Tensor, compressor: Compressor, op, pg, step: int, key: int, topology):
     """Issues the collective(s) reducing the 1-D contiguous ``flat``.
 
     Returns what to wait on: a Work for lossless SUM and other ReduceOps (``flat`` is
-    reduced in place), a Future otherwise (lossless mean: of ``flat``, in place; lossy: of
-    the mean, written into ``flat`` or, for casts, a new tensor).
+    reduced in place), a Future otherwise (lossless mean: of ``flat``, in place; lossy or
+    two-level (``topology``): of the mean, written into ``flat`` or, for casts, a new
+    tensor).
     """
+    if topology is not None:
+        ctx = ReduceContext(group=pg, key=key, step=step)
+        return two_level.two_level_mean(flat, compressor, ctx, topology)
     if not compressor.lossy:
         if op == "mean":
             # The same lossless path as ddpcomm.allreduce_hook: scale by 1/N, then sum.
@@ -312,34 +386,36 @@ def _issue(flat: torch.Tensor, compressor: Compressor, op, pg, step: int, key: i
     )
 
 
-def _reduced(flat: torch.Tensor, compressor: Compressor, op, world: int, value) -> torch.Tensor:
-    """The reduced values of ``flat`` once its work is done; ``value`` is what it gave."""
-    if not compressor.lossy:
+def _reduced(flat: torch.Tensor, means: bool, op, world: int, value) -> torch.Tensor:
+    """The reduced values of ``flat`` once its work is done; ``value`` is what it gave
+    (``means``: the mean over ranks, as lossy and two-level reductions give)."""
+    if not means:
         return flat
     return value.mul_(world) if op == "sum" else value
 
 
-def _run(jobs, compressor: Compressor, op, pg, step: int, tensors, async_op: bool):
+def _run(jobs, compressor: Compressor, op, pg, step: int, tensors, async_op: bool, topology):
     """Issues every job's collective in job order (the same on every rank), then writes
     each result back with its job's ``write(reduced)``, which returns the tensors holding
     the result: on this thread once all are issued (sync), or in the completion callbacks
     (async_op), which hand those tensors on (futures.py's stream rule)."""
     issued = [
-        (flat, write, _issue(flat, compressor, op, pg, step, key))
+        (flat, write, _issue(flat, compressor, op, pg, step, key, topology))
         for key, (flat, write) in enumerate(jobs)
     ]
     # The callbacks below get the world size, never the group: a callback must not hold
     # the last reference to a process group (see context.ReduceContext).
     world = dist.get_world_size(pg)
+    means = compressor.lossy or topology is not None
     if not async_op:
         # Waiting here rather than in callbacks keeps the write-back on the caller's
         # thread and its intra-op thread settings, and saves a Future per job.
         for flat, write, pending in issued:
-            write(_reduced(flat, compressor, op, world, pending.wait()))
+            write(_reduced(flat, means, op, world, pending.wait()))
         return None
 
     def finisher(flat, write):
-        return lambda f: write(_reduced(flat, compressor, op, world, f.value()))
+        return lambda f: write(_reduced(flat, means, op, world, f.value()))
 
     futures = [
         then(p.get_future() if isinstance(p, dist.Work) else p, finisher(flat, write))
@@ -390,6 +466,7 @@ def all_reduce(
     op: str | ReduceOp = "mean",
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
+    hierarchy: int | str | None = None,
 ) -> AllReduceHandle | None:
     """Reduces ``tensor`` over the ranks of ``group``, in place, optionally compressed.
 
@@ -403,6 +480,10 @@ def all_reduce(
             than SUM/AVG only with ``compression="none"``.
         group: the process group; None for the default group.
         async_op: return an :class:`AllReduceHandle` instead of waiting.
+        hierarchy: None (flat), an int L (L consecutive ranks form a node) or ``"auto"``
+            (L from torchrun's ``LOCAL_WORLD_SIZE``): reduce in two levels, compressed
+            only across nodes (see the module docstring). Also in the spec:
+            ``"q8,hierarchy=auto"``.
 
     Returns:
         None, or the handle when ``async_op`` (its future's value is ``[tensor]``).
@@ -423,9 +504,11 @@ def all_reduce(
     """
     pg = _check_group(group)
     try:
-        compressor = _parse_compression(compression)
+        compressor, hierarchy = _parse_compression(compression, hierarchy)
         rop = _parse_op(op, compressor.lossy)
+        _check_hierarchy(hierarchy, rop, pg)
         _check_tensor(tensor, "tensor", compressor, rop)
+        _check_two_level_dtype(hierarchy, tensor, "tensor")
         _check_device(tensor, "tensor", pg)
         if not isinstance(async_op, bool):
             raise TypeError(f"async_op must be a bool, got {async_op!r}")
@@ -434,13 +517,14 @@ def all_reduce(
         agreement.refuse(pg, exc, "a ddpcomm.all_reduce call")
         raise
     # Before any early return: a rank with an empty tensor still meets its peers here.
-    _agree(pg, compressor, rop, [[tensor]], "all_reduce")
+    _agree(pg, compressor, rop, [[tensor]], "all_reduce", hierarchy)
+    topology = _topology(pg, hierarchy, tensor.device)
 
     # Reducing values is not differentiable (dist.all_reduce ignores autograd too); a
     # detached alias lets a parameter that requires grad be reduced in place.
     target = tensor.detach() if tensor.requires_grad else tensor
     view = _memory_order_view(target)
-    if not compressor.lossy and rop != "mean" and view is not None:
+    if not compressor.lossy and rop != "mean" and view is not None and topology is None:
         # Exactly dist.all_reduce: no copy, no callback.
         work = dist.all_reduce(
             tensor, op=ReduceOp.SUM if rop == "sum" else rop, group=pg, async_op=async_op
@@ -448,7 +532,7 @@ def all_reduce(
         if not async_op:
             return None
         return AllReduceHandle(then(work.get_future(), lambda _: [tensor]))
-    if compressor.lossy and tensor.numel() == 0:
+    if (compressor.lossy or topology is not None) and tensor.numel() == 0:
         return AllReduceHandle(completed([tensor], tensor.device)) if async_op else None
 
     flat = view if view is not None else ops.flatten([target])
@@ -459,7 +543,7 @@ def all_reduce(
         return view
 
     job = (flat, write) if view is not None else (flat, _unflatten_to([target]))
-    return _run([job], compressor, rop, pg, _next_step(pg), [tensor], async_op)
+    return _run([job], compressor, rop, pg, _next_step(pg), [tensor], async_op, topology)
 
 
 def all_reduce_coalesced(
@@ -468,6 +552,7 @@ def all_reduce_coalesced(
     op: str | ReduceOp = "mean",
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
+    hierarchy: int | str | None = None,
 ) -> AllReduceHandle | None:
     """Reduces every tensor of a list in place with one collective per dtype.
 
@@ -486,7 +571,7 @@ def all_reduce_coalesced(
     Args:
         tensors: a list or tuple of dense tensors on one device (any shapes, strides and
             dtypes; lossy methods take float32/float16/bfloat16 only).
-        compression, op, group, async_op: as in :func:`all_reduce`.
+        compression, op, group, async_op, hierarchy: as in :func:`all_reduce`.
 
     Returns:
         None, or with ``async_op`` an :class:`AllReduceHandle` whose future's value is the
@@ -506,22 +591,27 @@ def all_reduce_coalesced(
             raise TypeError(
                 f"tensors must be a list or tuple of tensors, got {type(tensors).__name__}"
             )
-        compressor = _parse_compression(compression)
+        compressor, hierarchy = _parse_compression(compression, hierarchy)
         rop = _parse_op(op, compressor.lossy)
+        _check_hierarchy(hierarchy, rop, pg)
         if not isinstance(async_op, bool):
             raise TypeError(f"async_op must be a bool, got {async_op!r}")
         tensors = list(tensors)
         groups = _group_by_dtype(tensors, compressor, rop, pg)
+        for dtype, ts in groups.items():
+            first = next(i for i, t in enumerate(tensors) if t.dtype == dtype)
+            _check_two_level_dtype(hierarchy, ts[0], f"tensors[{first}]")
     except Exception as exc:
         agreement.refuse(pg, exc, "a ddpcomm.all_reduce_coalesced call")
         raise
     # A group of empty tensors has nothing to reduce; every rank skips it alike.
     groups = [ts for ts in groups.values() if any(t.numel() for t in ts)]
-    _agree(pg, compressor, rop, groups, "all_reduce_coalesced")
+    _agree(pg, compressor, rop, groups, "all_reduce_coalesced", hierarchy)
     if not groups:
         device = tensors[0].device if tensors else torch.device("cpu")
         return AllReduceHandle(completed(tensors, device)) if async_op else None
 
+    topology = _topology(pg, hierarchy, groups[0][0].device)
     flats = [ops.flatten(ts) for ts in groups]
     jobs = [(flat, _unflatten_to(ts)) for flat, ts in zip(flats, groups, strict=True)]
-    return _run(jobs, compressor, rop, pg, _next_step(pg), tensors, async_op)
+    return _run(jobs, compressor, rop, pg, _next_step(pg), tensors, async_op, topology)

@@ -39,9 +39,10 @@ def run_plan(rank: int, world: int, plan, *args) -> dict:
 class Groups:
     """Runs ``plan`` on spawned ranks once per (world, device), when a test first asks."""
 
-    def __init__(self, plan, timeout: float = 900.0) -> None:
+    def __init__(self, plan, timeout: float = 900.0, pg_timeout: float | None = None) -> None:
         self.plan = plan
         self.timeout = timeout
+        self.pg_timeout = pg_timeout  # the process groups' (None: run_ranks' default)
         self.runs: dict[tuple, list | Exception] = {}
 
     def values(self, world: int, device: str, *prefix: str) -> list:
@@ -49,7 +50,14 @@ class Groups:
         the calling test with the rank's traceback if one of them failed or never ran."""
         if (world, device) not in self.runs:
             try:
-                runs = run_ranks(run_plan, world, self.plan, device, timeout=self.timeout)
+                runs = run_ranks(
+                    run_plan,
+                    world,
+                    self.plan,
+                    device,
+                    timeout=self.timeout,
+                    pg_timeout=self.pg_timeout,
+                )
             except RuntimeError as exc:
                 runs = exc
             self.runs[world, device] = runs

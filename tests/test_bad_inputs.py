@@ -498,6 +498,33 @@ ROWS = [
     ("fsdp", "no signature", lambda: (s := ddpcomm.fsdp.FSDPCompressionState("q2"))
      .load_state_dict({**s.state_dict(), "memory": {"buffers": {("rs", "rs:0"): torch.zeros(
          3)}, "signatures": {}}}), ValueError, r"\['signatures'\] has no entry for"),
+    # hierarchy (multi-node): None, "auto" or an int >= 1, as a keyword or in the spec
+    ("hierarchy", "bool", lambda: ddpcomm.CompressionState("q4", hierarchy=True), TypeError,
+     r"hierarchy must be None \(flat\), 'auto' \(from torchrun's LOCAL_WORLD_SIZE\) or an int"),
+    ("hierarchy", "float", lambda: ddpcomm.CompressionState("q4", hierarchy=2.0), TypeError,
+     "hierarchy must be .* got 2.0"),
+    ("hierarchy", "word", lambda: ddpcomm.CompressionState("q4", hierarchy="nodes"), ValueError,
+     "hierarchy must be .* got 'nodes'"),
+    ("hierarchy", "zero", lambda: ddpcomm.CompressionState("q4", hierarchy=0), ValueError,
+     "hierarchy must be .* got 0"),
+    ("hierarchy", "negative", lambda: ddpcomm.CompressionState("q4", hierarchy=-2), ValueError,
+     "hierarchy must be .* got -2"),
+    ("hierarchy", "spec bare", lambda: ddpcomm.CompressionState("q4,hierarchy"), TypeError,
+     "hierarchy must be .* got True"),
+    ("hierarchy", "spec float", lambda: ddpcomm.CompressionState("q4,hierarchy=2.5"), TypeError,
+     "hierarchy must be .* got 2.5"),
+    ("hierarchy", "spec and keyword", lambda: ddpcomm.CompressionState("q4,hierarchy=2",
+     hierarchy=4), ValueError, "hierarchy given both in the spec and as a keyword"),
+    ("hierarchy", "adaptive", lambda: ddpcomm.CompressionState("q4,adaptive", hierarchy=2),
+     ValueError, "hierarchy=2 cannot be combined with adaptive=True"),
+    ("hierarchy", "method state", lambda: ddpcomm.QuantizeState(bits=4, hierarchy=False),
+     TypeError, "hierarchy must be .* got False"),
+    ("hierarchy", "parse", lambda: compressors.parse("q4,hierarchy=2"), ValueError,
+     r"\['hierarchy'\] are settings of the hook state"),
+    ("hierarchy", "fsdp", lambda: ddpcomm.fsdp.FSDPCompressionState("q4", hierarchy=2),
+     ValueError, "FSDP2 does not take hierarchy .*HSDP .* is FSDP2's two-level form"),
+    ("hierarchy", "fsdp spec", lambda: ddpcomm.fsdp.FSDPCompressionState("q4,hierarchy=auto"),
+     ValueError, "FSDP2 does not take hierarchy .*HSDP"),
 ]  # fmt: skip
 
 
@@ -563,6 +590,23 @@ GROUP_ROWS = [
      "tensor is a TwoTensor, a tensor subclass with its own __torch_dispatch__"),
     ("wrappers", "TwoTensor list", lambda: ddpcomm.all_reduce_coalesced([_X, _two_tensor()]),
      TypeError, r"tensors\[1\] is a TwoTensor"),
+    # hierarchy against the group (one rank: only 1 divides it)
+    ("hierarchy", "not dividing", lambda: ddpcomm.CompressionState("q4", hierarchy=2),
+     ValueError, "hierarchy must divide the group's size 1 .* got 2"),
+    ("hierarchy", "all_reduce not dividing", lambda: ddpcomm.all_reduce(_X, "q8", hierarchy=2),
+     ValueError, "hierarchy must divide the group's size 1"),
+    ("hierarchy", "all_reduce bool", lambda: ddpcomm.all_reduce(_X, "q8", hierarchy=True),
+     TypeError, "hierarchy must be None \\(flat\\), 'auto' .* or an int >= 1, got True"),
+    ("hierarchy", "all_reduce spec and keyword", lambda: ddpcomm.all_reduce(
+        _X, "q8,hierarchy=2", hierarchy=4), ValueError, "hierarchy given both in the spec"),
+    ("hierarchy", "all_reduce MAX", lambda: ddpcomm.all_reduce(_X, op=dist.ReduceOp.MAX,
+     hierarchy="auto"), ValueError, "hierarchy='auto' reduces with op 'sum' or 'mean' only"),
+    ("hierarchy", "coalesced float", lambda: ddpcomm.all_reduce_coalesced([_X], "q8",
+     hierarchy=1.0), TypeError, "hierarchy must be .* got 1.0"),
+    ("hierarchy", "int sum", lambda: ddpcomm.all_reduce(torch.arange(4), op="sum",
+     hierarchy=1), TypeError, "tensor has dtype torch.int64; hierarchy=1 reduces floating"),
+    ("hierarchy", "coalesced int", lambda: ddpcomm.all_reduce_coalesced([_X, torch.arange(3)],
+     op="sum", hierarchy="auto"), TypeError, r"tensors\[1\] has dtype torch.int64; hierarchy"),
 ]  # fmt: skip
 
 # The count per category may only grow.
@@ -579,6 +623,7 @@ EXPECTED_AT_LEAST = {
     "payloads": 12,
     "flatten": 6,
     "fsdp": 28,
+    "hierarchy": 21,
 }
 
 
