@@ -138,6 +138,18 @@ bench-adaptive: all
 	$(PY) -m ddpcomm.bench train --link 1gbit --warmup-steps 40 --methods ddp,q8,q8,adaptive --out benchmarks/results/adaptive/train_1gbit.json
 	$(PY) benchmarks/plots.py
 
+# Multi-node: 2 nodes of 2 ranks, a network namespace each (a node's ranks talk over its
+# loopback), joined by a shaped 1 or 10 Gbit/s link (needs root): plain and each method
+# flat and two-level, 64 MiB; then GPT training with DDP's default and q8, q4 flat and
+# two-level at 1 Gbit/s. Regenerates benchmarks/results/nodes/.
+NODES = --nodes 2 --ranks-per-node 2
+.PHONY: bench-nodes
+bench-nodes: all
+	mkdir -p benchmarks/results/nodes
+	$(PY) -m ddpcomm.bench collectives $(NODES) --link 1gbit --sizes 64 --iters 9 --out benchmarks/results/nodes/collectives_1gbit.json
+	$(PY) -m ddpcomm.bench collectives $(NODES) --link 10gbit --sizes 64 --iters 9 --out benchmarks/results/nodes/collectives_10gbit.json
+	$(PY) -m ddpcomm.bench train $(NODES) --link 1gbit --steps 60 --methods nocomm,ddp,q8,q8,hierarchy=2,q4,q4,hierarchy=2 --out benchmarks/results/nodes/train_1gbit.json
+
 # Low-bit fidelity: each method at its defaults (schedules written out, so that rows keep
 # their meaning when a default changes) and without its schedule, on the 600-step AdamW +
 # gradient-accumulation GPT (loopback: losses do not depend on the link), seeds 0-3, on

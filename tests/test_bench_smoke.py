@@ -96,11 +96,20 @@ def test_bad_arguments_name_the_argument(cwd):
         ["collectives", "--methods", "q3"],
         ["collectives", "--world", "1"],
         ["collectives", "--link", "fast"],
+        ["collectives", "--nodes", "1"],
         ["train", "--steps", "3", "--warmup-steps", "3"],
         ["kernels", "--ops", "quantize:q3"],
         ["fsdp", "--train-methods", "allreduce"],
     )
-    args = ["--methods", "--world", "--link", "--warmup-steps", "--ops", "--train-methods"]
+    args = [
+        "--methods",
+        "--world",
+        "--link",
+        "--nodes",
+        "--warmup-steps",
+        "--ops",
+        "--train-methods",
+    ]
     for (code, _, err), arg in zip(results, args, strict=True):
         assert code != 0 and arg in err, err
 
@@ -123,12 +132,51 @@ def test_collectives_quick(cwd, tmp_path):
     assert rows["allreduce"]["formula_bytes"] == 4 * n  # 2(N-1)/N * 4n at N = 2
     assert rows["allreduce"]["rel_error"] < 1e-6 and 0 < rows["q8"]["rel_error"] < 0.02
     assert "speedup vs allreduce" in proc.stdout and "limit from bytes" in proc.stdout
+    # Beside each time: its bytes on plain collectives, and its codec alone (plain: none).
+    assert all(r["wire_s"] > 0 for r in rows.values())
+    assert rows["allreduce"]["codec_s"] == 0 and rows["q8"]["codec_s"] > 0
+    assert "wire-only ms" in proc.stdout and "overlap" in proc.stdout
     # Adaptive: decided after its probe calls; its bytes are those of the path it took.
     adaptive = rows["q8,adaptive"]
     path = adaptive["adaptive_path"]
     bytes_of = {"plain": rows["allreduce"]["formula_bytes"], "compressed": (n // 256) * (4 + 256)}
     assert adaptive["measured_bytes"] == bytes_of[path]
     assert f"q8,adaptive -> {path}" in proc.stdout
+
+
+def test_collectives_nodes_quick(cwd, tmp_path):
+    # 2 nodes of 2 ranks. As root: a namespace per node, whose ranks talk over its own
+    # loopback, joined by a shaped link; elsewhere loopback, with torchrun's LOCAL_* set.
+    out = tmp_path / "n.json"
+    link = ["--link", "1gbit"] if netns.unavailable_reason() is None else []
+    methods = "allreduce,none,hierarchy=2,q8,q8,hierarchy=auto"
+    argv = ["--quick", "--nodes", "2", "--ranks-per-node", "2", *link, "--methods", methods]
+    proc = bench(cwd, "collectives", *argv, "--out", str(out))
+    result = json.loads(out.read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert result["environment"]["nodes"] == {"nodes": 2, "ranks_per_node": 2}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["ranks_identical"] and r["world"] == 4, r
+    auto = rows["q8,hierarchy=auto"]
+    assert auto["hierarchy"]["local_size"] == 2 and "LOCAL_WORLD_SIZE=2" in auto["hierarchy"]["why"]
+    assert auto["rel_error"] < rows["q8"]["rel_error"]  # node means are quantized, not ranks'
+    assert auto["codec_s"] > 0 and auto["wire_inside_s"] > 0 and auto["wire_across_s"] > 0
+    assert "two-level against flat" in proc.stdout
+    if not link:
+        return
+    # The interface counters: the link carries what ddpcomm counts across nodes, the node's
+    # loopback what it counts inside, so no intra-node byte takes the shaped link.
+    n, per_node = 2**20 // 4, 2
+    for method in ("none,hierarchy=2", "q8,hierarchy=auto"):
+        r = rows[method]
+        for across, inside in zip(r["node_wire_bytes"], r["node_lo_bytes"], strict=True):
+            assert 1 <= across / (per_node * r["cross_node_bytes"]) < 1.1, (method, across)
+            assert 1 <= inside / (per_node * r["intra_node_bytes"]) < 1.1, (method, inside)
+    # Flat ring all_reduce: 2(P-1)/P * 4n bytes leave each node, one ring link's worth.
+    for across in rows["allreduce"]["node_wire_bytes"]:
+        assert 1 <= across / (1.5 * 4 * n) < 1.1, across
+    assert max(auto["node_wire_bytes"]) < 0.6 * min(rows["q8"]["node_wire_bytes"])
+    assert "MB across/node" in proc.stdout and "MB in node" in proc.stdout
 
 
 def test_demo_quick_reports_a_failed_peer_in_one_line(cwd, tmp_path):
@@ -192,6 +240,27 @@ def test_adaptive_summary_counts_decisions_against_the_same_run():
     assert "3 cells: took the faster of plain and its method in 2, the slower in 0" in line
     assert "either (within 5%) in 1; ran more than 3% slower than plain in 2" in line
     assert "more than 5% slower than the faster in 1" in line
+
+
+def test_two_level_table_compares_each_method_with_its_flat_form():
+    from ddpcomm.bench import collectives
+
+    def row(method, ms, across, error, **steps):
+        return {"world": 4, "size_mib": 64, "method": method, "status": "ok", "median_s": ms,
+                "node_wire_bytes": [across, across], "rel_error": error, **steps}  # fmt: skip
+
+    rows = [
+        row("allreduce", 8.0, 100.0, 1e-8),
+        row("none,hierarchy=2", 4.0, 50.0, 1e-8),  # against allreduce; no error ratio
+        row("q8", 2.0, 30.0, 0.01),
+        row("q8,hierarchy=2", 1.0, 15.0, 0.005, wire_inside_s=0.5, wire_across_s=0.25),
+        row("q4,hierarchy=2", 1.0, 8.0, 0.05),  # no flat q4: no line
+    ]
+    lines = collectives._two_level_table(rows, markdown=False)[-1].splitlines()[2:]
+    assert [line.split() for line in lines] == [
+        ["none,hierarchy=2", "allreduce", "64", "2.00x", "0.50x", "-", "-", "-"],
+        ["q8,hierarchy=2", "q8", "64", "2.00x", "0.50x", "0.50x", "500.0", "250.0"],
+    ]
 
 
 def test_train_quick_on_text(cwd, tmp_path):

@@ -3,7 +3,9 @@
 ``run_cases(target, cases, world, env)`` runs ``target(case, common, device)`` (named as
 "module:function") for each case, in order, on every rank, and returns one row per case.
 The ranks are ``python -m ddpcomm.bench._ranks`` processes, started under
-``ip netns exec`` when the command was given ``--link``. Rank 0 appends JSON events to a
+``ip netns exec`` when the command was given ``--link``: one namespace per rank, or with
+``--nodes`` one per node, whose ranks talk over the namespace's own loopback and leave it
+only to reach other nodes, through the shaped link. Rank 0 appends JSON events to a
 file (``start`` before a case, ``result`` after it, ``note`` for progress), which the
 parent reads for progress lines and to know which case was running when something went
 wrong. A case that raises on any rank, or makes no progress within its time limit, ends
@@ -49,6 +51,37 @@ def world_size(default: int) -> int:
     return int(os.environ["WORLD_SIZE"]) if under_torchrun() else default
 
 
+def add_node_arguments(p) -> None:
+    """``--nodes`` and ``--ranks-per-node``: the ranks as nodes (see ``nodes_world``)."""
+    p.add_argument(
+        "--nodes",
+        type=int,
+        metavar="N",
+        help="N nodes of --ranks-per-node ranks (replaces --world): with --link each node "
+        "is a network namespace whose ranks talk over its own loopback, and nodes are "
+        "joined by the shaped link; ranks get LOCAL_RANK and LOCAL_WORLD_SIZE as from "
+        "torchrun, numbered node by node",
+    )
+    p.add_argument(
+        "--ranks-per-node", type=int, default=2, metavar="L", help="ranks per node (default 2)"
+    )
+
+
+def nodes_world(args) -> int | None:
+    """N x L ranks for ``--nodes N --ranks-per-node L`` (None without --nodes); exits
+    naming the argument when they make no sense."""
+    if args.nodes is None:
+        return None
+    if args.nodes < 2 or args.ranks_per_node < 1:
+        raise SystemExit(
+            f"--nodes must be >= 2 and --ranks-per-node >= 1, got {args.nodes}, "
+            f"{args.ranks_per_node}"
+        )
+    if under_torchrun():
+        raise SystemExit("--nodes cannot be used under torchrun: its nodes are the nodes")
+    return args.nodes * args.ranks_per_node
+
+
 def link_rate(link: str | None) -> float | None:
     """Bytes per second of a ``--link`` rate (None: loopback); exits naming --link if bad."""
     try:
@@ -66,8 +99,13 @@ def run_cases(
     link: str | None = None,
     common: dict | None = None,
     timeout=lambda case: 600.0,
+    per_node: int = 1,
 ) -> list[dict] | None:
     """Rows of every case, in order (None on torchrun ranks other than 0).
+
+    ``per_node`` > 1 makes nodes of that many consecutive ranks: one namespace per node
+    with ``link`` (otherwise one per rank), LOCAL_RANK and LOCAL_WORLD_SIZE as torchrun
+    sets them, and the link check from rank 0 to the first rank of the next node.
 
     Each case is a dict with a ``label`` (the progress line) and a ``row`` (the fields a
     failed case's row keeps). ``timeout(case)`` is the seconds a case may go without
@@ -82,15 +120,23 @@ def run_cases(
                 "--link cannot be used under torchrun: its ranks already run on a network"
             )
         return _inline(cases, common, env)
-    links, note = netns.open_links(world, link)
+    links, note = netns.open_links(world // per_node, link)
     rows: list[dict] = []
     failed: dict[str, str] = {}
     with links or contextlib.nullcontext(), tempfile.TemporaryDirectory(prefix="ddpcomm-") as tmp:
         env["link"] = links.describe() if links else note
+        if per_node > 1:
+            where = "its namespace's loopback, unshaped" if links else "loopback"
+            env["link"] = (
+                f"{world // per_node} nodes of {per_node} ranks (inside a node over {where}); "
+                + env["link"]
+            )
+            env["nodes"] = {"nodes": world // per_node, "ranks_per_node": per_node}
         env.setdefault("links", {})[str(world)] = env["link"]
         progress(f"{world} ranks, {env['link']}")
         common.setdefault("threads", max(1, (os.cpu_count() or 1) // world))
         common.update(
+            per_node=per_node,
             workdir=tmp,
             ifname=links.ifname if links else None,
             link_check_mb=common.get("link_check_mb", 0) if links else 0,
@@ -136,6 +182,7 @@ def _group(world, links, cases, common, timeout, tmp):
     addr, ifname = (links.address(0), links.ifname) if links else ("127.0.0.1", "lo")
     port = _free_port()  # a fresh port per group: the last one's may sit in TIME_WAIT
     procs, logs = [], []
+    per_node = common.get("per_node", 1)
     for rank in range(world):
         logs.append(os.path.join(tmp, f"rank{rank}.log"))
         env = dict(
@@ -148,7 +195,9 @@ def _group(world, links, cases, common, timeout, tmp):
             OMP_NUM_THREADS=str(common["threads"]),
             DDPCOMM_BENCH_CONFIG=config,
         )
-        prefix = links.prefix_command(rank) if links else []
+        if per_node > 1:  # as torchrun tells a rank where it is (hierarchy="auto" reads it)
+            env.update(LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node))
+        prefix = links.prefix_command(rank // per_node) if links else []
         with open(logs[-1], "w") as out:
             procs.append(
                 subprocess.Popen(
@@ -318,7 +367,8 @@ def init_group(common: dict) -> torch.device:
 
 def tx_bytes(ifname: str | None) -> int | None:
     """Bytes this network namespace has sent through ``ifname`` (None: not tracked).
-    Under ``ip netns exec`` the counters are the rank's own veth's: exactly its traffic."""
+    Under ``ip netns exec`` the counters are the namespace's own: exactly the rank's
+    traffic, or with nodes its node's (``lo``: what stayed inside the node)."""
     if not ifname:
         return None
     with open("/proc/self/net/dev") as f:
@@ -329,20 +379,21 @@ def tx_bytes(ifname: str | None) -> int | None:
     raise RuntimeError(f"interface {ifname} not found in /proc/self/net/dev")
 
 
-def _link_check(mib: int) -> float:
-    """Rank 0 -> rank 1 throughput in MB/s: one large send, timed on the receiver, median
-    of three. Shows that the shaping is what was asked."""
+def _link_check(mib: int, peer: int) -> float:
+    """Rank 0 -> rank ``peer`` (1, or the next node's first rank) throughput in MB/s: one
+    large send, timed on the receiver, median of three. Shows that the shaping is what was
+    asked."""
     rank = dist.get_rank()
     t = torch.ones(mib * 2**20 // 4)
     rates = []
     for _ in range(3):
         dist.barrier()
-        op = (lambda: dist.send(t, 1)) if rank == 0 else (lambda: dist.recv(t, 0))
-        _, seconds = wall(op if rank < 2 else lambda: None)
+        op = (lambda: dist.send(t, peer)) if rank == 0 else (lambda: dist.recv(t, 0))
+        _, seconds = wall(op if rank in (0, peer) else lambda: None)
         rates.append(t.numel() * 4 / seconds / 1e6)
     median = torch.tensor([sorted(rates)[1]], dtype=torch.float64)
-    dist.broadcast(median, 1)
-    note(f"link check: {mib} MiB rank 0 -> rank 1 at {median.item():.1f} MB/s")
+    dist.broadcast(median, peer)
+    note(f"link check: {mib} MiB rank 0 -> rank {peer} at {median.item():.1f} MB/s")
     return median.item()
 
 
@@ -385,9 +436,13 @@ def _main() -> None:
     run_case = _target(common["target"])
     device = init_group(common)
     _events = cfg["events"] if dist.get_rank() == 0 else None
-    if common.get("link_check_mb") and dist.get_world_size() > 1:
-        mib = int(common["link_check_mb"])
-        _event("info", info={"link_check_MBps": _link_check(mib), "link_check_MiB": mib})
+    per_node, mib = common.get("per_node", 1), int(common.get("link_check_mb", 0))
+    # Across the link; with nodes also inside one (the path the node's own steps take).
+    peers = [per_node, 1] if per_node > 1 else [1]
+    for peer in peers if mib else []:
+        rate = _link_check(mib, peer)
+        info = {"link_check_MBps": rate, "link_check_MiB": mib, "to_rank": peer}
+        _event("info", info=dict(info, inside_node=peer < per_node))
     for i, case in enumerate(cfg["cases"]):
         _event("start", index=i, label=case["label"])
         _event("result", result=run_case(case, common, device))

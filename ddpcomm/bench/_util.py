@@ -51,11 +51,18 @@ def link_lines(env: dict) -> list[str]:
     lines = [f"machine: {machine_line(env)}"]
     lines += [f"link, {w} ranks: {link}" for w, link in env.get("links", {}).items()]
     lines += [
-        f"link check, {c['world']} ranks: {c['link_check_MiB']} MiB from rank 0 to 1 at "
-        f"{c['link_check_MBps']:.1f} MB/s"
-        for c in env.get("link_checks", [])
+        f"link check, {c['world']} ranks: {check_line(c)}" for c in env.get("link_checks", [])
     ]
     return lines
+
+
+def check_line(c: dict) -> str:
+    """One link check: its size, its two ranks and its rate."""
+    where = " (inside a node)" if c.get("inside_node") else ""
+    return (
+        f"{c['link_check_MiB']} MiB from rank 0 to {c.get('to_rank', 1)}{where} at "
+        f"{c['link_check_MBps']:.1f} MB/s"
+    )
 
 
 def finish(result: dict, report, out: str | None) -> None:

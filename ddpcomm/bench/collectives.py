@@ -18,9 +18,11 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from ddpcomm import adaptive
+from ddpcomm import adaptive, groups
 from ddpcomm.bench import _methods, _ranks
 from ddpcomm.bench._util import environment, finish, link_lines, short, table, wall
+from ddpcomm.compressors import Quantizer, RandomK, TopK
+from ddpcomm.groups import all_gather_single
 
 DESCRIPTION = """\
 Reduces one gradient bucket through each method's DDP hook (torch's allreduce_hook,
@@ -38,8 +40,21 @@ untimed calls alone, the three take turns call by call, each first in turn. Its 
 and the summary under the table compare it with those two, timed under the same load,
 not with their own rows.
 
+Beside each method's time: the wire-only time of its bytes (the collectives its
+algorithm issued, all_reduce or all_gather, on as many plain bytes), its codec time
+alone (its hook on torch's fake process group: every compress and decode op, collectives
+that only copy), and overlap = time / max(wire-only, codec): 1.00 at the limit, 1 +
+smaller/larger when nothing overlaps. The three take turns call by call.
+
 --link RATE gives each rank its own network namespace joined by links shaped to RATE
-with tc tbf (needs root; without it the run falls back to loopback and says so)."""
+with tc tbf (needs root; without it the run falls back to loopback and says so).
+
+--nodes N --ranks-per-node L runs N x L ranks as N nodes: with --link each node is one
+namespace whose ranks talk over its loopback, and the shaped link joins the nodes. The
+default methods are then plain and each method flat and two-level (',hierarchy=L');
+the bytes columns are per node, read from the interface counters of the link (bytes
+leaving the node) and of the node's loopback (bytes that stayed inside), and a table
+compares each two-level method with its flat form."""
 
 COLS = 1024  # columns of every gradient matrix in the bucket
 MIB = 2**20
@@ -69,14 +84,15 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--methods",
         type=_methods.method_list(),
-        default=[*_methods.TORCH, *_methods.DDPCOMM, *_methods.ADAPTIVE],
         metavar="LIST",
         help=_methods.METHODS_HELP + " (default: all, topk and randk at 0.01, each with and "
-        "without adaptive)",
+        "without adaptive; with --nodes: allreduce, none,hierarchy=L, and q8, q4, q1, "
+        "topk:0.01 each flat and with ',hierarchy=L')",
     )
     p.add_argument(
         "--link", metavar="RATE", help="shape each rank's link to RATE (1gbit, 10gbit); needs root"
     )
+    _ranks.add_node_arguments(p)
     p.add_argument(
         "--iters",
         type=int,
@@ -88,8 +104,8 @@ def add_parser(sub) -> None:
         "--warmup",
         type=int,
         default=5,
-        help="untimed calls per case (default 5: a bucket's gloo pieces follow the link "
-        "from its 5th call)",
+        help="untimed calls per case, at least 1 (default 5: a bucket's gloo pieces follow "
+        "the link from its 5th call)",
     )
     p.add_argument(
         "--timeout", type=float, help="seconds a case may take (default: from size and link rate)"
@@ -123,16 +139,32 @@ def bucket_shapes(numel: int) -> list[tuple[int, ...]]:
     return [(COLS, COLS)] * full + [(rows, COLS)] * (rows > 0) + [(tail,)] * (tail > 0)
 
 
+def node_methods(local) -> list[str]:
+    """The default methods with --nodes: plain and each method, flat and two-level."""
+    return ["allreduce"] + [
+        m + suffix
+        for m in ("none", "q8", "q4", "q1", "topk:0.01")
+        for suffix in ("", f",hierarchy={local}")
+        if (m, suffix) != ("none", "")  # plain flat is torch's allreduce_hook, DDP's default
+    ]
+
+
 def run(args) -> int:
     if args.quick:
         args.sizes, args.world, args.iters, args.warmup = [1], [2], 2, 1
-    if args.iters < 1 or args.warmup < 0:
-        raise SystemExit(f"--iters must be >= 1 and --warmup >= 0, got {args.iters}, {args.warmup}")
+    if args.iters < 1 or args.warmup < 1:
+        raise SystemExit(f"--iters and --warmup must be >= 1, got {args.iters}, {args.warmup}")
     if any(w < 2 for w in args.world):
         raise SystemExit(f"--world: every world size must be >= 2, got {args.world}")
     if args.timeout is not None and not args.timeout > 0:
         raise SystemExit(f"--timeout must be > 0 seconds, got {args.timeout}")
     rate = _ranks.link_rate(args.link)
+    nodes_world, per_node = _ranks.nodes_world(args), 1
+    if nodes_world:
+        args.world, per_node = [nodes_world], args.ranks_per_node
+    if args.methods is None:
+        every = [*_methods.TORCH, *_methods.DDPCOMM, *_methods.ADAPTIVE]
+        args.methods = node_methods(per_node) if nodes_world else every
     env = environment()
     worlds = [_ranks.world_size(0)] if _ranks.under_torchrun() else args.world
     rows = []
@@ -140,10 +172,11 @@ def run(args) -> int:
         cases = _cases(args, world)
 
         def timeout(case) -> float:
-            # 10x a plain all_reduce's wire time per call (100 MB/s on loopback), + slack.
-            calls = case["iters"] + case["warmup"] + 3
+            # 10x a plain all_reduce's wire time per call (100 MB/s on loopback), + slack;
+            # each call is followed by its wire-only collectives.
+            calls = 2 * (case["iters"] + case["warmup"] + 3)
             if ",adaptive" in case["row"]["method"]:  # + plain and the fixed method
-                calls = 3 * calls + adaptive.first_decision()
+                calls = 2 * calls + adaptive.first_decision()
             return args.timeout or 60 + 10 * calls * 8 * case["row"]["numel"] / (rate or 100e6)
 
         common = {"link_check_mb": 8 if args.quick else 64}
@@ -155,6 +188,7 @@ def run(args) -> int:
             link=args.link,
             common=common,
             timeout=timeout,
+            per_node=per_node,
         )
         if out is None:  # a torchrun rank other than 0
             return 0
@@ -249,6 +283,7 @@ def make_grad(shapes, rank: int, seed: int, device) -> torch.Tensor:
 
 
 _exact: dict = {}  # rank 0's exact mean of the current size (up to 256 MiB: one at a time)
+_fake: list = []  # torch's fake process group, made once per rank process
 
 
 def _reduce(hook, state, activation, bucket):
@@ -256,61 +291,74 @@ def _reduce(hook, state, activation, bucket):
 
 
 def run_case(case: dict, common: dict, device: torch.device) -> dict:
-    """One method at one size on every rank: untimed calls, then timed calls. An adaptive
-    method's case also times plain all_reduce and its fixed method, taking turns with it
-    call by call, so that the three are compared under the same load."""
+    """One method at one size on every rank: untimed calls, then timed calls, taking
+    turns call by call with its wire-only collectives and its codec alone (``_probes``).
+    An adaptive method's case also times plain all_reduce and its fixed method in the
+    rotation, so that they are compared under the same load."""
     rank, world = dist.get_rank(), dist.get_world_size()
     shapes, seed, result = [tuple(s) for s in case["shapes"]], 1234, dict(case["row"])
     grad = make_grad(shapes, rank, seed, device)
-    methods = [result["method"]]
-    if methods[0].endswith(",adaptive"):
-        methods += ["allreduce", methods[0].removesuffix(",adaptive")]
+    method = result["method"]
+    methods = [method]
+    if method.endswith(",adaptive"):
+        methods += ["allreduce", method.removesuffix(",adaptive")]
     runs = [
         (*_methods.make_hook(m, dist.group.WORLD, False), _Bucket(grad.clone(), shapes))
         for m in methods
     ]
     # Untimed calls one method after another: an adaptive state times whole steps (here,
     # from one of its calls to the next), so its decision is made with no other calls
-    # in between. The timed calls then take turns, each first in turn.
-    for run in runs:
-        for _ in range(run[2] + case["warmup"]):
+    # in between. What the last one sent is what the probes send.
+    stats, before = getattr(runs[0][1], "stats", None), None
+    for j, run in enumerate(runs):
+        for i in range(run[2] + case["warmup"]):
             run[3].buffer().copy_(grad)  # hooks write the mean into the bucket in place
             dist.barrier()
+            if j == 0 and i == run[2] + case["warmup"] - 1 and stats:
+                before = stats()
             _reduce(*run)
-    stats, ifname = getattr(runs[0][1], "stats", None), common.get("ifname")
-    st0, times, wire, out = stats and stats(), [[] for _ in runs], 0, None
-    for i in range(case["iters"]):
-        for j in range(len(runs)):
-            j = (i + j) % len(runs)
-            runs[j][3].buffer().copy_(grad)
-            dist.barrier()
-            tx0 = _ranks.tx_bytes(ifname) if j == 0 else None
-            value, seconds = wall(functools.partial(_reduce, *runs[j]), device)
-            times[j].append(seconds)
-            if j == 0:
-                out = value[0] if isinstance(value, (list, tuple)) else value
-                dist.barrier()  # every rank's sends of this call have left
-                if tx0 is not None:
-                    wire += _ranks.tx_bytes(ifname) - tx0
+    last = stats and _per_call(stats(), before, 1)
+    entries = [
+        (m, run[3].buffer().copy_, grad, functools.partial(_reduce, *run))
+        for m, run in zip(methods, runs, strict=True)
+    ]
+    probes, plain = _probes(method, runs[0][1], last, shapes, grad, case["warmup"])
+    entries += probes
+    ifname, per_node = common.get("ifname"), common.get("per_node", 1)
+    st0 = stats and stats()
+    times, wire, out = _take_turns(entries, case["iters"], ifname, device)
     # The slowest rank's time per call is the collective's time.
+    split = getattr(entries[len(runs)][3], "steps", None)  # a two-level wire-only's steps
     every = [None] * world
-    dist.all_gather_object(every, times)
-    medians = []
-    for j in range(len(runs)):
-        per_call = [max(ts[j][i] for ts in every) for i in range(case["iters"])]
-        medians.append(statistics.median(per_call))
+    dist.all_gather_object(every, (times, wire, split))
+    medians = {}
+    for j, (name, *_) in enumerate(entries):
+        per_call = [max(ts[j][i] for ts, *_ in every) for i in range(case["iters"])]
+        medians[name] = statistics.median(per_call)
         if j == 0:
-            result.update(median_s=medians[0], times_s=per_call)
+            result.update(median_s=medians[name], times_s=per_call)
     if len(runs) > 1:
-        result.update(plain_s=medians[1], fixed_s=medians[2])
+        result.update(plain_s=medians["allreduce"], fixed_s=medians[methods[2]])
+    result.update({f"{k}_s": medians[k] for k in ("wire", "codec") if k in medians})
+    if plain:
+        result["codec_s"] = 0.0  # nothing to compress or decode
+    if split:  # each step's slowest rank; the barriers between them left out
+        steps = [[max(e[2][i][k] for e in every) for k in (0, 1)] for i in range(case["iters"])]
+        result.update({key: statistics.median(s[k] for s in steps) for k, key in enumerate(_STEPS)})
+        result["wire_s"] = statistics.median(map(sum, steps))
     if ifname:
-        result["wire_bytes"] = wire / case["iters"]
+        result["wire_bytes"] = wire[0] / case["iters"]
+        if per_node > 1:  # each node's counters, read by its first rank
+            firsts = [e[1] for e in every[::per_node]]
+            result["node_wire_bytes"] = [w[0] / case["iters"] for w in firsts]
+            result["node_lo_bytes"] = [w[1] / case["iters"] for w in firsts]
     if stats:  # ddpcomm's own accounting, per call
         st1 = stats()
-        result["measured_bytes"] = (st1["bytes_sent"] - st0["bytes_sent"]) / case["iters"]
-        result["compress_s"] = (st1["compress_seconds"] - st0["compress_seconds"]) / case["iters"]
+        result.update(_per_call(st1, st0, case["iters"]))
         if "adaptive" in st1:  # the path the decision took for this bucket's size class
             result["adaptive_path"] = st1["adaptive"]["classes"][-1]["decision"]
+        if "hierarchy" in st1:
+            result["hierarchy"] = st1["hierarchy"]
     # Every rank must hold the same result: compare checksums.
     probe = torch.stack([out.double().sum(), out.double().square().sum()])
     probes = [torch.empty_like(probe) for _ in range(world)]
@@ -329,11 +377,150 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
     return result
 
 
+def _take_turns(entries: list[tuple], iters: int, ifname: str | None, device):
+    """Calls the entries in turn, each first in turn, ``iters`` times each: (seconds per
+    entry and call, the bytes the first one sent through ``ifname`` and the namespace's
+    loopback, its last output)."""
+    times, wire, out = [[] for _ in entries], [0, 0], None
+    for i in range(iters):
+        for j in range(len(entries)):
+            j = (i + j) % len(entries)
+            _, reset, arg, call = entries[j]
+            if reset is not None:
+                reset(arg)
+            if j == 0 and ifname:
+                dist.barrier()  # every rank's sends of the entry before have left
+                start = _counters(ifname)
+            dist.barrier()
+            value, seconds = wall(call, device)
+            times[j].append(seconds)
+            if j == 0:
+                out = value[0] if isinstance(value, (list, tuple)) else value
+                if ifname:
+                    dist.barrier()  # every rank's sends of this call have left
+                    now = _counters(ifname)
+                    wire = [w + b - a for w, a, b in zip(wire, start, now, strict=True)]
+    return times, wire, out
+
+
+def _per_call(now: dict, then: dict, calls: int) -> dict:
+    """ddpcomm's counts between two ``stats()``, per call."""
+    out = {"paths": {k: v - then["paths"].get(k, 0) for k, v in now["paths"].items()}}
+    out["paths"] = {k: v for k, v in out["paths"].items() if v}
+    out["measured_bytes"] = (now["bytes_sent"] - then["bytes_sent"]) / calls
+    out["compress_s"] = (now["compress_seconds"] - then["compress_seconds"]) / calls
+    for key in ("intra_node_bytes", "cross_node_bytes"):
+        if key in now:
+            out[key] = (now[key] - then.get(key, 0)) / calls
+    return out
+
+
+def _counters(ifname: str) -> list[int]:
+    """Bytes sent so far through the link and through the namespace's loopback."""
+    return [_ranks.tx_bytes(ifname), _ranks.tx_bytes("lo")]
+
+
+# A method's collectives, by the path its stats() names: an all-gather (in pieces on
+# gloo, as the method sends it: one large gloo all_gather moves ~75 MB/s on a 1 Gbit/s
+# link, 2 MiB pieces in flight at once 117, an all_reduce 119), or an all_reduce, whose
+# ring sends the same bytes in the same pattern as the two-phase quantizer's all_to_all
+# and all_gather, and as random-k's and the dense paths' own all_reduce.
+_GATHERS = ("q_all_gather", "topk_all_gather")
+
+
+def _probes(method, state, last, shapes, grad, warmup) -> tuple[list[tuple], bool]:
+    """The timed entries beside a method, each ``(name, reset, arg, call)``: ``wire`` (the
+    collectives its last untimed call issued, on as many plain bytes) and ``codec`` (its
+    own hook on torch's fake process group, whose collectives only copy: every compress
+    and decode op, nothing on the wire); and whether it has no codec at all (a plain
+    path). torch's lossy hooks get no codec entry."""
+    world, device = dist.get_world_size(), grad.device
+    if last is None:  # torch's hooks: their wire format says their bytes
+        kind = "all_gather" if method == "torch-qpt" else "all_reduce"
+        wire = _plain(kind, _methods.formula_bytes(method, shapes, world), dist.group.WORLD, device)
+        return [("wire", None, None, wire)], method == "allreduce"
+    path = next(p for p in last["paths"] if p != "two_level")
+    kind = "all_gather" if path in _GATHERS else "all_reduce"
+    if "two_level" in last["paths"]:
+        local = state.stats()["hierarchy"]["local_size"]
+        wire = _two_level(kind, last["cross_node_bytes"], grad.numel(), local, device)
+    else:
+        wire = _plain(kind, last["measured_bytes"], dist.group.WORLD, device)
+    entries = [("wire", None, None, wire)]
+    plain = path in ("plain", "empty")
+    if plain or not isinstance(state.compressor, (Quantizer, TopK, RandomK)):
+        return entries, plain
+    if not _fake:
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers "fake"
+
+        _fake.append(dist.new_group(backend="fake"))
+    run = (
+        *_methods.make_hook(method.removesuffix(",adaptive"), _fake[0], False),
+        _Bucket(grad.clone(), shapes),
+    )
+    for _ in range(run[2] + warmup):
+        run[3].buffer().copy_(grad)
+        _reduce(*run)
+    codec = ("codec", run[3].buffer().copy_, grad, functools.partial(_reduce, *run))
+    return [*entries, codec], False
+
+
+def _plain(kind: str, nbytes: float, group, device):
+    """A plain all_gather or all_reduce on ``group`` that sends ``nbytes`` per rank."""
+    n = dist.get_world_size(group)
+    if kind == "all_reduce":
+        t = torch.zeros(max(1, round(nbytes * n / (2 * (n - 1)) / 4)), device=device)
+        return functools.partial(dist.all_reduce, t, group=group)
+    size = max(1, round(nbytes / (n - 1)))
+    send = torch.zeros(size, dtype=torch.uint8, device=device)
+    recv = send.new_empty(n * size)
+    piece = size if dist.get_backend(group) != "gloo" else 2 * MIB
+
+    def gather():
+        works = [
+            all_gather_single(
+                recv[n * b : n * (b + piece)], send[b : b + piece], group=group, async_op=True
+            )
+            for b in range(0, size, piece)
+        ]
+        for w in works:
+            w.wait()
+
+    return gather
+
+
+def _two_level(kind: str, cross_bytes: float, numel: int, local: int, device):
+    """A two-level reduction's collectives on its own groups, nothing compressed: the
+    all_to_all of the bucket inside the node, ``kind`` of ``cross_bytes`` across nodes,
+    the all-gather of the shards inside the node. A barrier after each step makes each
+    one's time its own: ``run.steps`` collects (inside, across) seconds per call, whose
+    sum (the barriers left out) is the wire-only time."""
+    topo = groups.topology(dist.group.WORLD, local, device)
+    shard = math.ceil(numel / local)
+    flat = torch.zeros(shard * local, device=device)
+    received, mine = torch.empty_like(flat), torch.zeros(shard, device=device)
+    cross = _plain(kind, cross_bytes, topo.cross, device)
+
+    def step(fn) -> float:
+        _, seconds = wall(fn, device)
+        dist.barrier()
+        return seconds
+
+    def run():
+        inside = step(lambda: dist.all_to_all_single(received, flat, group=topo.intra))
+        across = step(cross)
+        inside += step(lambda: all_gather_single(flat, mine, group=topo.gather))
+        run.steps.append((inside, across))
+
+    run.steps = []
+    return run
+
+
 def report(result: dict, markdown: bool = False) -> str:
     """The table of a collectives result (as printed after a run)."""
     env, rows = result["environment"], result["rows"]
-    lines = link_lines(env)
-    order = {m: i for i, m in enumerate([*_methods.TORCH, *_methods.DDPCOMM])}
+    lines, nodes = link_lines(env), env.get("nodes")
+    order = {m: i for i, m in enumerate([*_methods.TORCH, "none", *_methods.DDPCOMM])}
 
     def position(method: str) -> tuple[int, str]:  # q8,adaptive right after q8
         base = method.split(",")[0]
@@ -347,12 +534,15 @@ def report(result: dict, markdown: bool = False) -> str:
     }
     headers = [
         "method",
-        "ranks",
+        "nodes x ranks" if nodes else "ranks",
         "MiB",
         "ms",
-        "compress ms",
+        "wire-only ms",
+        "codec ms",
+        "overlap",
         "MB sent/rank",
-        "MB on wire/rank",
+        "MB across/node" if nodes else "MB on wire/rank",
+        "MB in node",
         "error vs exact mean",
         "speedup vs allreduce",
         "limit from bytes",
@@ -361,32 +551,80 @@ def report(result: dict, markdown: bool = False) -> str:
     body = []
     for r in rows:
         ok, base = r["status"] == "ok", plain.get((r["world"], r["size_mib"]))
-        plain_bytes = _methods.formula_bytes("allreduce", [(r["numel"],)], r["world"])
-        sent = r["formula_bytes"]
-        if "adaptive_path" in r and "measured_bytes" in r:
-            sent = r["measured_bytes"]  # what the decided path sent
+        sent = r.get("measured_bytes", r["formula_bytes"])  # adaptive: the decided path's
+        limit = sent and _methods.formula_bytes("allreduce", [(r["numel"],)], r["world"]) / sent
+        wire = r.get("wire_bytes")
+        if nodes:  # bytes that left each node, against plain all_reduce's
+            wire = _mean(r.get("node_wire_bytes"))
+            limit = wire and base and _mean(base.get("node_wire_bytes")) / wire
+        limit_s = "codec_s" in r and max(r.get("wire_s", 0), r["codec_s"])
         status = "ok" if r.get("ranks_identical", True) else "ok, but ranks differ"
         body.append(
             [
                 r["method"] + (f" -> {r['adaptive_path']}" if "adaptive_path" in r else ""),
-                str(r["world"]),
+                f"{nodes['nodes']}x{nodes['ranks_per_node']}" if nodes else str(r["world"]),
                 f"{r['size_mib']:g}",
                 f"{r['median_s'] * 1e3:.1f}" if ok else "-",
-                f"{r['compress_s'] * 1e3:.1f}" if "compress_s" in r else "-",
+                f"{r['wire_s'] * 1e3:.1f}" if "wire_s" in r else "-",
+                f"{r['codec_s'] * 1e3:.1f}" if "codec_s" in r else "-",
+                f"{r['median_s'] / limit_s:.2f}" if ok and limit_s else "-",
                 _mb(sent),
-                _mb(r["wire_bytes"]) if "wire_bytes" in r else "-",
+                _mb(wire) if wire is not None else "-",
+                _mb(_mean(r["node_lo_bytes"])) if "node_lo_bytes" in r else "-",
                 f"{r['rel_error']:.1e}" if "rel_error" in r else "-",
                 f"{r.get('plain_s', base and base['median_s']) / r['median_s']:.2f}x"
                 if ok and (base or "plain_s" in r)
                 else "-",
-                f"{plain_bytes / sent:.1f}x" if sent else "-",
+                f"{limit:.1f}x" if limit else "-",
                 status if ok else f"{r['status']}: {short(r.get('reason', ''))}",
             ]
         )
     lines += ["", table(headers, body, markdown)]
+    lines += _two_level_table(rows, markdown)
     lines += _adaptive_summary(rows, plain)
     lines += [f"warning: {w}" for w in env.get("warnings", [])]
     return "\n".join(lines)
+
+
+def _mean(values: list[float] | None) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+_STEPS = ("wire_inside_s", "wire_across_s")
+
+
+def _two_level_table(rows: list[dict], markdown: bool) -> list[str]:
+    """Each two-level method (',hierarchy=...') against its flat form in the same run
+    (plain two-level against torch's allreduce): speedup, bytes across nodes per node,
+    error against the exact mean, as ratios; and the two-level wire-only time's steps
+    inside the nodes (all_to_all and all-gather) and across them."""
+    done = {(r["world"], r["size_mib"], r["method"]): r for r in rows if r["status"] == "ok"}
+    body = []
+    for (world, size, method), r in done.items():
+        flat = ",".join(p for p in method.split(",") if not p.startswith("hierarchy="))
+        if flat == method:
+            continue
+        f = done.get((world, size, flat)) or done.get((world, size, "allreduce"))
+        if f is None or (f["method"] == "allreduce" and flat != "none"):
+            continue
+        across = [_mean(x.get("node_wire_bytes")) for x in (r, f)]
+        errors = [x.get("rel_error", 0) for x in (r, f)]
+        body.append(
+            [
+                method,
+                f["method"],
+                f"{size:g}",
+                f"{f['median_s'] / r['median_s']:.2f}x",
+                f"{across[0] / across[1]:.2f}x" if all(across) else "-",
+                f"{errors[0] / errors[1]:.2f}x" if errors[1] > 1e-6 else "-",
+                *(f"{r[k] * 1e3:.1f}" if k in r else "-" for k in _STEPS),
+            ]
+        )
+    if not body:
+        return []
+    headers = ["two-level", "flat", "MiB", "speedup", "bytes across/node", "error"]
+    headers += ["wire-only ms inside nodes", "across"]
+    return ["", "two-level against flat, same run:", "", table(headers, body, markdown)]
 
 
 def _adaptive_summary(rows: list[dict], plain: dict) -> list[str]:

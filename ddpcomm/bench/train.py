@@ -22,7 +22,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpcomm.bench import _methods, _ranks
 from ddpcomm.bench._gpt import GPT, GPTConfig, Text, corpus, describe, num_params
-from ddpcomm.bench._util import environment, finish, machine_line, progress, short, table, wall
+from ddpcomm.bench._util import (
+    check_line,
+    environment,
+    finish,
+    machine_line,
+    progress,
+    short,
+    table,
+    wall,
+)
 
 DESCRIPTION = """\
 Trains the same small GPT from the same initial weights on the same batches with each
@@ -32,7 +41,9 @@ speedup over DDP's default, the held-out loss after training and the largest par
 difference from DDP's default. 'nocomm' trains without any gradient exchange: its step
 time is the compute floor. The data is a synthetic language made in-process.
 
---link RATE shapes the links between ranks as for 'collectives' (needs root)."""
+--link RATE shapes the links between ranks as for 'collectives' (needs root); with
+--nodes N --ranks-per-node L, between N nodes of L ranks, and the wire bytes are those
+that left a node (node 0's counters)."""
 
 OWN = ("nocomm", "ddp")  # no hook: no gradient exchange, and DDP's built-in all_reduce
 DEFAULT_METHODS = ["nocomm", "ddp", "torch-fp16", "powersgd-r4", *_methods.DDPCOMM]
@@ -64,6 +75,7 @@ def add_arguments(p) -> None:
         f" (default {','.join(DEFAULT_METHODS)}); ddp runs first",
     )
     p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    _ranks.add_node_arguments(p)
     p.add_argument("--steps", type=int, default=100, help="training steps per method (default 100)")
     p.add_argument(
         "--warmup-steps",
@@ -148,7 +160,7 @@ def run(args, command: str = "train") -> int:
     env = dict(environment(), model=describe(cfg, args.data))
     progress(env["model"])
     grad_bytes = 4 * num_params(GPT(cfg))
-    world = _ranks.world_size(args.world)
+    world = _ranks.world_size(_ranks.nodes_world(args) or args.world)
     settings = {
         k: getattr(args, k)
         for k in (
@@ -187,6 +199,7 @@ def run(args, command: str = "train") -> int:
         link=args.link,
         common=common,
         timeout=timeout,
+        per_node=args.ranks_per_node if args.nodes else 1,
     )
     if rows is None:  # a torchrun rank other than 0
         return 0
@@ -309,8 +322,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         st = state.stats()
         result.update(bytes_per_step=st["bytes_sent"] / measured, paths=st["paths"])
         result["compress_s_per_step"] = st["compress_seconds"] / measured
-        if "adaptive" in st:
-            result["adaptive"] = st["adaptive"]
+        result.update({k: st[k] for k in ("adaptive", "hierarchy") if k in st})
     elif method == "ddp":
         result["bytes_per_step"] = _methods.formula_bytes("ddp", [(result["params"],)], world)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
@@ -331,10 +343,7 @@ def report(result: dict, markdown: bool = False) -> str:
     """The table of a train (or demo) result, as printed after a run."""
     env, rows = result["environment"], result["rows"]
     lines = [env["model"], f"link: {env['link']}", f"machine: {machine_line(env)}"]
-    lines += [
-        f"link check: {c['link_check_MiB']} MiB from rank 0 to 1 at {c['link_check_MBps']:.1f} MB/s"
-        for c in env.get("link_checks", [])
-    ]
+    lines += [f"link check: {check_line(c)}" for c in env.get("link_checks", [])]
     base = next((r for r in rows if r["method"] == "ddp" and r["status"] == "ok"), None)
     headers = [
         "method",
@@ -342,7 +351,7 @@ def report(result: dict, markdown: bool = False) -> str:
         "bytes vs DDP",
         "ms/step",
         "speedup vs DDP",
-        "MB on wire/step",
+        "MB across/node/step" if env.get("nodes") else "MB on wire/step",
         "compress ms/step",
         "held-out loss",
         "loss vs DDP",
@@ -376,7 +385,7 @@ def report(result: dict, markdown: bool = False) -> str:
         "MB/step: ddpcomm's own count (state.stats()); DDP and torch's hooks by their wire "
         "format. ms/step: median over steps after the warm-up, slowest rank."
     ]
-    if env["link"].startswith("loopback"):
+    if "network namespaces" not in env["link"] and not env["link"].startswith("torchrun"):
         lines.append(
             "On loopback the link is not the limit: step times show compute overhead, not "
             "wire savings (see 'collectives --link 1gbit' for a shaped link)."
@@ -430,7 +439,9 @@ def gaps_by_seed(results: list[dict], markdown: bool = False) -> str:
 
 
 def _decided(row: dict) -> str:
-    """What adaptive pass-through decided, by bucket size class."""
+    """What adaptive pass-through decided, by bucket size class; the node layout."""
+    if "hierarchy" in row:
+        return f"; {row['hierarchy']['why']}"
     if "adaptive" not in row:
         return ""
     found = {"compressed": 0, "plain": 0, "probing": 0}
