@@ -189,20 +189,19 @@ def _gather_pieces(send, gathered, spans, pg, prepare, land, link=None) -> list[
     ``link`` (the bucket's LinkRate, or None) times the payload on its way."""
     world = dist.get_world_size(pg)
     futures = []
-    if link is not None:
-        link.start(spans[-1][1] - spans[0][0], len(spans))
+    timing = None if link is None else link.start(spans[-1][1] - spans[0][0], len(spans))
     for i, (b0, b1) in enumerate(spans):
         prepare(i)
-        if link is not None:
-            link.issued(i)
+        if timing is not None:
+            timing.issued(i)
         piece = gathered[world * b0 : world * b1]
         work = all_gather_single(piece, send[b0:b1], group=pg, async_op=True)
         rows = piece.view(world, b1 - b0)
 
         def landed(fut, i=i, rows=rows):
             fut.wait()
-            if link is not None:
-                link.landed(i)
+            if timing is not None:
+                timing.landed(i)
             written = land(i, rows)
             return rows if written is None else written
 

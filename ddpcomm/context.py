@@ -8,6 +8,8 @@ algorithms read top-down:
 - ``Workspace``: reused payload buffers (a fresh multi-megabyte tensor per call costs more
   in first-touch page faults than the kernel that fills it), and each bucket's
   ``LinkRate``: the rate its gloo all-gathers measured, agreed across ranks.
+- ``WorkspacePool``: the Workspaces of one-off calls (``ddpcomm.all_reduce``), by the
+  call's signature, bounded.
 - ``ReduceContext``: one call's group, bucket key, step and the three above.
 
 Futures live in ``futures.py``, process-group ordering in ``groups.py``.
@@ -19,7 +21,7 @@ import math
 import threading
 import time
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -351,28 +353,30 @@ class ResidualMemory:
 class LinkRate:
     """What one bucket's gloo all-gathers measured of the link, and the rate the ranks agreed on.
 
-    Each call records when each piece was issued and when it landed (``issued``,
-    ``landed``). A piece was on the wire from the later of its issue and the previous
-    landing until its own landing, so the payload over the sum of those spans is the rate
-    of the wire: pieces issued slower than they travel (a fast link, the time spent
-    compressing) do not make the link look slow. A rank's rate is the best of its calls
-    since the last agreement, so a call slowed by something else (a cold first call, a
-    busy CPU) does not either. At fixed call counts (the ``FIRST``th, then every ``EVERY``
-    more), after its pieces, a call sends that rate to a MAX all_reduce of 8 bytes
-    (``sent``), and the next call reads the result (``agreed``). MAX, because a piece lands
-    only once every rank has sent it: a rank that issued early also timed its wait for the
-    others, and the last to issue timed the least of it. Every rank issues that all_reduce
-    at the same call and reads it at the same call, so all of them see the same rate, and
-    whatever is derived from it (the piece size) is the same everywhere.
+    Each call records when each piece was issued and when it landed, in the ``Timing`` that
+    ``start`` returns (one per call, so calls that overlap, such as async
+    ``ddpcomm.all_reduce`` calls of one signature, never write into each other's). A piece
+    was on the wire from the later of its issue and the previous landing until its own
+    landing, so the payload over the sum of those spans is the rate of the wire: pieces
+    issued slower than they travel (a fast link, the time spent compressing) do not make the
+    link look slow. A rank's rate is the best of its calls since the last agreement, so a
+    call slowed by something else (a cold first call, a busy CPU) does not either. At fixed
+    call counts (the ``FIRST``th, then every ``EVERY`` more), after its pieces, a call sends
+    that rate to a MAX all_reduce of 8 bytes (``sent``), and the next call reads the result
+    (``agreed``). MAX, because a piece lands only once every rank has sent it: a rank that
+    issued early also timed its wait for the others, and the last to issue timed the least
+    of it. Every rank issues that all_reduce at the same call and reads it at the same call,
+    so all of them see the same rate, and whatever is derived from it (the piece size) is
+    the same everywhere.
     """
 
-    __slots__ = ("calls", "_payload", "_issued", "_landed", "_best", "_pending", "_agreed")
+    __slots__ = ("calls", "_last", "_best", "_pending", "_agreed")
 
     FIRST, EVERY = 4, 64
 
     def __init__(self) -> None:
         self.calls = 0  # all-gathers of this bucket so far
-        self._payload, self._issued, self._landed = 0, [], []
+        self._last: Timing | None = None  # the last call's pieces
         self._best = 0.0  # payload bytes per second on the wire, best call since agreeing
         self._pending = None  # (work, tensor) of the MAX all_reduce in flight
         self._agreed = math.inf  # the agreed rate; inf: none agreed yet
@@ -380,7 +384,7 @@ class LinkRate:
     @property
     def pieces(self) -> int:
         """Pieces of the last call."""
-        return len(self._issued)
+        return 0 if self._last is None else len(self._last.issued_at)
 
     def as_dict(self) -> dict:
         """The last call's piece count and the rate in force, in MB/s (None before the
@@ -396,22 +400,13 @@ class LinkRate:
             self._agreed, self._pending = float(rate), None
         return self._agreed
 
-    def start(self, payload_bytes: int, pieces: int) -> None:
-        """Before the first piece is sent: closes the previous call's measurement."""
-        if self._payload and all(t is not None for t in self._landed):
-            wire, free = 0.0, -math.inf  # seconds on the wire; when it was free again
-            for t0, t1 in zip(self._issued, self._landed, strict=True):
-                wire += max(0.0, t1 - max(t0, free))
-                free = max(free, t1)
-            self._best = max(self._best, self._payload / wire if wire > 0 else math.inf)
-        self._payload = payload_bytes
-        self._issued, self._landed = [0.0] * pieces, [None] * pieces
-
-    def issued(self, i: int) -> None:
-        self._issued[i] = time.perf_counter()
-
-    def landed(self, i: int) -> None:
-        self._landed[i] = time.perf_counter()
+    def start(self, payload_bytes: int, pieces: int) -> Timing:
+        """Before the first piece is sent: closes the previous call's measurement (if all
+        its pieces landed) and returns this call's."""
+        if self._last is not None:
+            self._best = max(self._best, self._last.rate())
+        self._last = Timing(payload_bytes, pieces)
+        return self._last
 
     def sent(self, pg: dist.ProcessGroup) -> None:
         """After the last piece is issued: at an agreement call, the MAX all_reduce."""
@@ -423,19 +418,48 @@ class LinkRate:
             self._pending = (work, rate)
 
 
+class Timing:
+    """One call's pieces on the wire (``LinkRate.start``): ``issued(i)`` as piece i is
+    handed to its collective, ``landed(i)`` as it arrives (on the collective's thread)."""
+
+    __slots__ = ("payload", "issued_at", "landed_at")
+
+    def __init__(self, payload_bytes: int, pieces: int) -> None:
+        self.payload = payload_bytes
+        self.issued_at, self.landed_at = [0.0] * pieces, [None] * pieces
+
+    def issued(self, i: int) -> None:
+        self.issued_at[i] = time.perf_counter()
+
+    def landed(self, i: int) -> None:
+        self.landed_at[i] = time.perf_counter()
+
+    def rate(self) -> float:
+        """Payload bytes per second on the wire; 0 until every piece has landed."""
+        if not self.payload or any(t is None for t in self.landed_at):
+            return 0.0
+        wire, free = 0.0, -math.inf  # seconds on the wire; when it was free again
+        for t0, t1 in zip(self.issued_at, self.landed_at, strict=True):
+            wire += max(0.0, t1 - max(t0, free))
+            free = max(free, t1)
+        return self.payload / wire if wire > 0 else math.inf
+
+
 class Workspace:
     """Reusable uint8 buffers keyed by (name, bucket key).
 
     A key's buffers are reused by its next call: callers must not overlap two calls with
     the same key (DDP never does: a bucket's next reduction starts after its previous one
     finished, and on CUDA after the previous one's kernels, through its Future's events).
+    ``allocations`` counts the buffers it made (tests pin steady-state calls at none).
     """
 
-    __slots__ = ("buffers", "links")
+    __slots__ = ("buffers", "links", "allocations")
 
     def __init__(self) -> None:
         self.buffers: dict[tuple, torch.Tensor] = {}
         self.links: dict[object, LinkRate] = {}
+        self.allocations = 0
 
     def link(self, key) -> LinkRate:
         """The bucket's LinkRate (its gloo all-gathers' measured and agreed rate)."""
@@ -446,7 +470,89 @@ class Workspace:
         if buf is None or buf.numel() != nbytes or buf.device != torch.device(device):
             buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             self.buffers[(name, key)] = buf
+            self.allocations += 1
         return buf
+
+
+def _nbytes(buffers: dict) -> int:
+    return sum(b.numel() for b in buffers.values())
+
+
+class WorkspacePool:
+    """The Workspaces of one group's one-off calls (``ddpcomm.all_reduce``), by signature.
+
+    A call has no state to keep buffers in, and a fresh multi-megabyte buffer per call costs
+    its first-touch page faults: q8 at 64 MiB fp32 between two gloo ranks on loopback took
+    55.7 ms a call with fresh buffers against 38.4 through a DDP hook and 37.3 with buffers
+    kept (one run, a loaded 2-core machine). glibc hands an allocation above its mmap
+    threshold (at most 32 MiB) back to the kernel when it is freed, so every call faults in
+    q8's 33.6 MB gather buffer again: filling a fresh one took 21.7 ms, a kept one 0.9 (a
+    fresh 16.8 MB one, reused from the heap, 0.37). And pieces follow the link only where a
+    LinkRate persists: at 1 Gbit/s q4 took 88.9 ms a call against the hook's 79.0, 79.6
+    with a kept Workspace, 91.4 with kept buffers but no LinkRate (q8: 155.3, 145.9, 146.9,
+    156.3).
+
+    ``checkout(signature, keep_buffers)`` gives a call a Workspace: the signature's
+    LinkRates, always (every rank makes the same calls in the same order, so every rank
+    uses, agrees on and evicts the same LinkRates at the same calls), and its buffers, which
+    ``checkin`` returns. A call that overlaps another of its signature (async calls) finds
+    the buffers taken and allocates its own; a call with ``keep_buffers=False`` (CUDA
+    tensors, whose caching allocator already reuses memory, and where a later call on
+    another stream would not be ordered after this one's kernels) never takes them.
+
+    Bounds: the signatures of the last ``SIGNATURES`` calls keep their LinkRates (a few
+    hundred bytes each); buffers beyond the most recent signature's are dropped, least
+    recently used first, once the pool holds more than ``BYTES``. A long-lived process
+    calling all_reduce on many shapes so holds at most BYTES plus its latest call's payload
+    buffers (0.75x the tensor's bytes for q8 at two ranks: one payload sent, two gathered),
+    and a group's pool goes with the group. 256 MiB keeps five such 64 MiB q8 calls.
+    """
+
+    SIGNATURES = 64
+    BYTES = 256 << 20
+
+    __slots__ = ("_entries", "_lock", "allocations")
+
+    def __init__(self) -> None:
+        # signature -> [links, buffers or None while checked out], least recent first
+        self._entries: OrderedDict[object, list] = OrderedDict()
+        self._lock = threading.Lock()
+        self.allocations = 0  # buffers allocated by calls through this pool
+
+    def checkout(self, signature, keep_buffers: bool = True) -> Workspace:
+        ws = Workspace()
+        with self._lock:
+            entry = self._entries.get(signature)
+            if entry is None:
+                entry = self._entries[signature] = [{}, {}]
+                while len(self._entries) > self.SIGNATURES:
+                    self._entries.popitem(last=False)
+            self._entries.move_to_end(signature)
+            ws.links = entry[0]
+            if keep_buffers and entry[1] is not None:
+                ws.buffers, entry[1] = entry[1], None
+        return ws
+
+    def checkin(self, signature, ws: Workspace, keep_buffers: bool = True) -> None:
+        """After the call (on CPU, once its last callback ran): its buffers go back."""
+        with self._lock:
+            self.allocations += ws.allocations
+            entry = self._entries.get(signature)
+            if not keep_buffers or entry is None or entry[1]:
+                return  # evicted, or an overlapping call's buffers went back first
+            entry[1] = ws.buffers
+            held = sum(_nbytes(e[1]) for e in self._entries.values() if e[1])
+            for e in self._entries.values():  # least recent first
+                if held <= self.BYTES:
+                    break
+                if e is not entry and e[1]:
+                    held -= _nbytes(e[1])
+                    e[1] = {}
+
+    def nbytes(self) -> int:
+        """Bytes of the buffers the pool holds (not those checked out)."""
+        with self._lock:
+            return sum(_nbytes(e[1]) for e in self._entries.values() if e[1])
 
 
 class ReduceContext:

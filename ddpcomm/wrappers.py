@@ -26,6 +26,14 @@ group's size, or an ``"auto"`` that finds no nodes reduce flat. It applies to ``
 ``"mean"`` of every method, ``"none"`` included (exact up to rounding, no longer bitwise
 ``dist.all_reduce``), and is refused with other ReduceOps.
 
+Buffers. A lossy (or two-level) call runs with its group's Workspace for the call's
+signature (method, device, and each job's dtype and size): payload buffers reused from the
+previous call of that signature, as a DDP hook reuses its bucket's, and each job's
+LinkRate, so gloo pieces follow the link the ranks measured (``context.WorkspacePool``
+says what each was worth and what it keeps: beyond the latest signature's buffers, at most
+256 MiB per group, freed with the group). Buffers are kept for CPU tensors only; async
+calls of one signature in flight together each have their own.
+
 Error feedback needs a residual kept across steps, which a one-off call has nowhere to
 keep: spec strings are built with ``error_feedback=False`` (q1/q2 default it on in hooks),
 and a compressor object with error feedback on is refused. Use the hooks to get it.
@@ -76,7 +84,7 @@ import torch.distributed as dist
 
 from ddpcomm import agreement, collectives, ops, two_level
 from ddpcomm.compressors import Compressor, parse, take_state_options
-from ddpcomm.context import ReduceContext
+from ddpcomm.context import ReduceContext, Workspace, WorkspacePool
 from ddpcomm.futures import completed, join, then
 from ddpcomm.groups import Topology, check_hierarchy, node_size
 from ddpcomm.groups import topology as group_topology
@@ -307,6 +315,19 @@ def _next_step(pg: dist.ProcessGroup) -> int:
         return step
 
 
+# Group -> the Workspaces of its lossy calls (context.WorkspacePool, which says why and how
+# much it keeps), by call signature: reused buffers and each job's LinkRate.
+_POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _pool(pg: dist.ProcessGroup) -> WorkspacePool:
+    with _LOCK:
+        pool = _POOLS.get(pg)
+        if pool is None:
+            pool = _POOLS[pg] = WorkspacePool()
+        return pool
+
+
 # Group -> {hierarchy: (L or None, why)}: the node size decided at the group's first call
 # with that hierarchy (for "auto" through the store, on every rank at the same call).
 _NODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -364,16 +385,16 @@ def _agree(pg, compressor: Compressor, op, groups: list, fn: str, hierarchy=None
 # --------------------------------------------------------------------------------------
 
 
-def _issue(flat: torch.Tensor, compressor: Compressor, op, pg, step: int, key: int, topology):
+def _issue(flat, compressor: Compressor, op, pg, step: int, key: int, topology, workspace):
     """Issues the collective(s) reducing the 1-D contiguous ``flat``.
 
     Returns what to wait on: a Work for lossless SUM and other ReduceOps (``flat`` is
     reduced in place), a Future otherwise (lossless mean: of ``flat``, in place; lossy or
     two-level (``topology``): of the mean, written into ``flat`` or, for casts, a new
-    tensor).
+    tensor). ``workspace``: the call's (``_run``), for lossy and two-level reductions.
     """
     if topology is not None:
-        ctx = ReduceContext(group=pg, key=key, step=step)
+        ctx = ReduceContext(group=pg, key=key, step=step, workspace=workspace)
         return two_level.two_level_mean(flat, compressor, ctx, topology)
     if not compressor.lossy:
         if op == "mean":
@@ -382,7 +403,7 @@ def _issue(flat: torch.Tensor, compressor: Compressor, op, pg, step: int, key: i
         rop = ReduceOp.SUM if op == "sum" else op
         return dist.all_reduce(flat, op=rop, group=pg, async_op=True)
     return collectives.all_reduce_mean(
-        flat, compressor, ReduceContext(group=pg, key=key, step=step)
+        flat, compressor, ReduceContext(group=pg, key=key, step=step, workspace=workspace)
     )
 
 
@@ -398,24 +419,46 @@ def _run(jobs, compressor: Compressor, op, pg, step: int, tensors, async_op: boo
     """Issues every job's collective in job order (the same on every rank), then writes
     each result back with its job's ``write(reduced)``, which returns the tensors holding
     the result: on this thread once all are issued (sync), or in the completion callbacks
-    (async_op), which hand those tensors on (futures.py's stream rule)."""
+    (async_op), which hand those tensors on (futures.py's stream rule).
+
+    Lossy and two-level jobs run with the group's Workspace for this call's signature
+    (method, node size, device, and each job's dtype and size; a job's key is its index),
+    taken from the group's pool and given back once every job is done."""
+    means = compressor.lossy or topology is not None
+    device = jobs[0][0].device
+    keep = device.type == "cpu"  # buffers kept for CPU tensors only (WorkspacePool)
+    pool = signature = workspace = None
+    if means:
+        pool = _pool(pg)
+        shapes = tuple((flat.dtype, flat.numel()) for flat, _ in jobs)
+        local = None if topology is None else topology.local_size
+        signature = (compressor, local, device, shapes)
+        workspace = pool.checkout(signature, keep)
     issued = [
-        (flat, write, _issue(flat, compressor, op, pg, step, key, topology))
+        (flat, write, _issue(flat, compressor, op, pg, step, key, topology, workspace))
         for key, (flat, write) in enumerate(jobs)
     ]
     # The callbacks below get the world size, never the group: a callback must not hold
     # the last reference to a process group (see context.ReduceContext).
     world = dist.get_world_size(pg)
-    means = compressor.lossy or topology is not None
     if not async_op:
         # Waiting here rather than in callbacks keeps the write-back on the caller's
         # thread and its intra-op thread settings, and saves a Future per job.
         for flat, write, pending in issued:
             write(_reduced(flat, means, op, world, pending.wait()))
+        if pool is not None:
+            pool.checkin(signature, workspace, keep)
         return None
+    done = None if pool is None else _countdown(len(issued), pool, signature, workspace, keep)
 
     def finisher(flat, write):
-        return lambda f: write(_reduced(flat, means, op, world, f.value()))
+        def finish(f):
+            out = write(_reduced(flat, means, op, world, f.value()))
+            if done is not None:
+                done()
+            return out
+
+        return finish
 
     futures = [
         then(p.get_future() if isinstance(p, dist.Work) else p, finisher(flat, write))
@@ -423,6 +466,21 @@ def _run(jobs, compressor: Compressor, op, pg, step: int, tensors, async_op: boo
     ]
 
     return AllReduceHandle(join(futures, tensors, issued[0][0].device))
+
+
+def _countdown(jobs: int, pool: WorkspacePool, signature, workspace: Workspace, keep: bool):
+    """A function that gives ``workspace`` back to ``pool`` at its ``jobs``th call (each
+    async job's last callback, on the CPU after its last use of the buffers)."""
+    left, lock = [jobs], threading.Lock()
+
+    def done() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            pool.checkin(signature, workspace, keep)
+
+    return done
 
 
 def _unflatten_to(tensors: list[torch.Tensor]):

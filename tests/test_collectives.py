@@ -299,8 +299,9 @@ def check_link_pieces(r: Rank, c) -> None:
     rate = float((3 + 2 * min(r.rank, 1)) * unit)
 
     def start(link, *args):
-        saved[1](link, *args)
+        timing = saved[1](link, *args)
         link._best = rate
+        return timing
 
     for name, value in zip(limits, (payload, 1, 1.0), strict=True):
         setattr(collectives, name, value)
@@ -516,10 +517,10 @@ def test_link_rate_counts_only_time_on_the_wire(monkeypatch):
     monkeypatch.setattr("ddpcomm.context.time.perf_counter", lambda: now[0])
 
     def call(payload, events):
-        link.start(payload, len(events) // 2)
+        timing = link.start(payload, len(events) // 2)
         for t, kind, i in sorted(events):
             now[0] = t
-            (link.issued if kind == "issued" else link.landed)(i)
+            (timing.issued if kind == "issued" else timing.landed)(i)
 
     # Wire-bound: three pieces queued behind each other, 3 s on the wire: 100 bytes/s.
     call(300, [(0, "issued", 0), (0.5, "issued", 1), (1, "issued", 2)]

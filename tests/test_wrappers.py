@@ -310,6 +310,78 @@ def test_repeated_calls_are_checked_once_per_signature(world):
 
 
 # --------------------------------------------------------------------------------------
+# Steady state: lossy calls reuse the group's buffers and learn the link, as hooks do
+# (context.WorkspacePool says why: page faults and gloo piece sizes)
+# --------------------------------------------------------------------------------------
+
+
+def _workspace_body(rank, world):
+    import ddpcomm
+    from ddpcomm import compressors, wrappers
+    from ddpcomm.context import LinkRate, WorkspacePool
+
+    g = dist.new_group(list(range(world)))
+    # The all-gather algorithm at any N: its pieces follow the link (context.LinkRate).
+    q8 = compressors.Quantizer(8, algorithm="all_gather", error_feedback=False)
+    x = torch.randn(1 << 18, generator=torch.Generator().manual_seed(rank))
+    want = x.clone()
+    ddpcomm.all_reduce(want, q8, group=g)
+    pool = wrappers._POOLS[g]
+    first = pool.allocations
+    assert first >= 2  # its payload and gather buffers
+    calls = LinkRate.FIRST + 2
+    for _ in range(calls - 1):
+        t = x.clone()
+        ddpcomm.all_reduce(t, q8, group=g)
+        assert torch.equal(t, want)
+    assert pool.allocations == first  # no buffer allocated after the first call
+    ((links, buffers),) = pool._entries.values()
+    link = links[0]  # job 0's
+    assert link.calls == calls and link.as_dict()["agreed_MB_per_s"] is not None
+    # Async calls of one signature in flight together: each gets its own buffers.
+    a, b = x.clone(), x.clone()
+    handles = [ddpcomm.all_reduce(t, q8, group=g, async_op=True) for t in (a, b)]
+    assert all(h.wait() for h in handles)
+    assert torch.equal(a, want) and torch.equal(b, want)
+    steady = pool.allocations
+    t = x.clone()
+    ddpcomm.all_reduce(t, q8, group=g)
+    assert pool.allocations == steady and torch.equal(t, want)
+    # Coalesced: one job per dtype, each with its own key in the call's Workspace.
+    tensors = [torch.ones(5000), torch.ones(3000, dtype=torch.float16), torch.ones(7000)]
+    ddpcomm.all_reduce_coalesced(tensors, "q4", group=g)
+    steady = pool.allocations
+    for _ in range(3):
+        ddpcomm.all_reduce_coalesced(tensors, "q4", group=g)
+    assert pool.allocations == steady
+    assert all(bool((t == 1).all()) for t in tensors)
+
+    # Bounded: LinkRates of the last SIGNATURES signatures, buffers up to BYTES beyond the
+    # latest signature's. Each size below is a new signature.
+    bounds = WorkspacePool.SIGNATURES, WorkspacePool.BYTES
+    WorkspacePool.SIGNATURES, WorkspacePool.BYTES = 3, 100_000
+    try:
+        g2 = dist.new_group(list(range(world)))
+        for n in (1000, 20_000, 40_000, 60_000, 80_000, 20_000):
+            ddpcomm.all_reduce(torch.ones(n), q8, group=g2)
+            pool2 = wrappers._POOLS[g2]
+            assert len(pool2._entries) <= 3
+            latest = next(reversed(pool2._entries.values()))[1]
+            assert pool2.nbytes() <= 100_000 + sum(b.numel() for b in latest.values())
+        # 20_000 was evicted after 3 newer signatures: its LinkRate started over.
+        assert next(reversed(pool2._entries.values()))[0][0].calls == 1
+    finally:
+        WorkspacePool.SIGNATURES, WorkspacePool.BYTES = bounds
+    return [link.calls, link.as_dict()["agreed_MB_per_s"]]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_steady_state_calls_reuse_buffers_and_learn_the_link(world):
+    results = run_ranks(_workspace_body, world)
+    assert all(r == results[0] for r in results), results  # one agreed rate everywhere
+
+
+# --------------------------------------------------------------------------------------
 # Bad inputs, the hook parity and the docstring examples: one 2-rank spawn
 # --------------------------------------------------------------------------------------
 
