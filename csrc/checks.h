@@ -236,9 +236,19 @@ inline void check_sparse_accumulate(const at::Tensor& payloads, const at::Tensor
   check_apart(out, "out", payloads, "payloads", op);
 }
 
-// randk_compress_into: k = out.numel() values.
-inline void check_randk_compress(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                                 const at::Tensor& out) {
+// The strata [start, end) of k a random-k op covers (end = -1: k). Returns end resolved.
+inline int64_t check_strata(int64_t start, int64_t end, int64_t k, const char* op) {
+  const int64_t last = end == -1 ? k : end;
+  TORCH_CHECK(0 <= start && start <= last && last <= k, op,
+              ": start and end must satisfy 0 <= start <= end <= k=", k,
+              " (end=-1: k), got start=", start, ", end=", end);
+  return last;
+}
+
+// randk_compress_into: k = out.numel() values, of which strata [start, end) are written.
+// Returns end resolved.
+inline int64_t check_randk_compress(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                    const at::Tensor& out, int64_t start, int64_t end) {
   const char* op = "randk_compress";
   check_sparse_input(x, residual, out.numel(), op);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous(), op,
@@ -248,11 +258,13 @@ inline void check_randk_compress(const at::Tensor& x, const std::optional<at::Te
   check_apart(out, "out", x, "x", op);
   check_apart(residual, "residual", x, "x", op);
   check_apart(residual, "residual", out, "out", op);
+  return check_strata(start, end, out.numel(), op);
 }
 
-// randk_decompress_into: numel = out.numel(), k = values.numel().
-inline void check_randk_decompress(const at::Tensor& values, const at::Tensor& out,
-                                   int64_t divisor) {
+// randk_decompress_into: numel = out.numel(), k = values.numel(), strata [start, end).
+// Returns end resolved.
+inline int64_t check_randk_decompress(const at::Tensor& values, const at::Tensor& out,
+                                      int64_t divisor, int64_t start, int64_t end) {
   const char* op = "randk_decompress";
   check_float_tensor(values, "values", op);
   TORCH_CHECK(values.dim() == 1, op, ": values must be 1-D, got ", values.dim(), " dimensions");
@@ -262,6 +274,7 @@ inline void check_randk_decompress(const at::Tensor& values, const at::Tensor& o
   TORCH_CHECK(out.device() == values.device(), op, ": out is on ", out.device(),
               " but values are on ", values.device());
   check_apart(out, "out", values, "values", op);
+  return check_strata(start, end, values.numel(), op);
 }
 
 }  // namespace ddpcomm

@@ -38,6 +38,8 @@ TORCH_LIBRARY(ddpcomm, m) {
   // Sparsification family (top-k, random-k). Payload layout and selection order:
   // csrc/numerics.h, "Sparsification". numel and dtype come from `out` (sparse_accumulate_into
   // sums in fp32 whatever out's dtype); randk_compress_into sends k = out.numel() values.
+  // The random-k ops cover strata [start, end) of k (end=-1: k), one contiguous range of the
+  // bucket, so a bucket can be compressed, sent and decoded in pieces (collectives._randk).
   m.def(
       "topk_compress_into(Tensor x, Tensor(a!)? residual, Tensor(b!) out, int k, "
       "bool approximate=False, int seed=0, int step=0, ScalarType? value_dtype=None) -> ()");
@@ -48,10 +50,10 @@ TORCH_LIBRARY(ddpcomm, m) {
       "int divisor, ScalarType value_dtype, bool check=True) -> ()");
   m.def(
       "randk_compress_into(Tensor x, Tensor(a!)? residual, Tensor(b!) out, int seed, int step, "
-      "int bucket) -> ()");
+      "int bucket, int start=0, int end=-1) -> ()");
   m.def(
       "randk_decompress_into(Tensor values, Tensor(a!) out, int seed, int step, int bucket, "
-      "int divisor) -> ()");
+      "int divisor, int start=0, int end=-1) -> ()");
 }
 
 namespace {

@@ -666,19 +666,52 @@ def sparse_accumulate(
     return out
 
 
+def _check_strata(start, end, k, op):
+    """checks.h check_strata: strata [start, end) of k (end -1: k); returns end resolved."""
+    last = k if end == -1 else end
+    _check(
+        0 <= start <= last <= k,
+        f"{op}: start and end must satisfy 0 <= start <= end <= k={k} (end=-1: k), got "
+        f"start={start}, end={end}",
+    )
+    return last
+
+
 def randk_compress(
-    x: torch.Tensor, residual: torch.Tensor | None, k: int, seed: int, step: int, bucket: int
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    k: int,
+    seed: int,
+    step: int,
+    bucket: int,
+    out: torch.Tensor | None = None,
+    start: int = 0,
+    end: int | None = None,
 ) -> torch.Tensor:
     """The fp32 values of e = x (+ ``residual``) at k random-k indices (reference.randk_indices).
 
     The indices depend only on (numel, k, seed, step, bucket), so every rank draws the same
     ones and the values can be all-reduced directly. With a residual it becomes e, and 0 at
-    the sent entries.
+    the sent entries. Returns the k values, in ``out`` when given (float32, k elements).
+
+    ``start``, ``end`` (None: k): only strata [start, end) are computed, into
+    ``out[start:end]``; they read and update one contiguous range of x and the residual
+    (reference.randk_strata), and a non-finite entry there makes only their values NaN
+    (reference.randk_compress). A bucket is then compressed in pieces with the bits of one
+    call wherever it is finite.
     """
-    _check_ints("randk_compress", k=k, seed=seed, step=step, bucket=bucket)
-    _check_sparse_input(x, residual, k, "randk_compress")
-    out = x.new_empty(k, dtype=torch.float32)
-    _ops.randk_compress_into(x, residual, out, seed, step, bucket)
+    op = "randk_compress"
+    _check_ints(op, k=k, seed=seed, step=step, bucket=bucket, start=start)
+    if end is not None:
+        _check_ints(op, end=end)
+    _check_sparse_input(x, residual, k, op)
+    if out is None:
+        out = x.new_empty(k, dtype=torch.float32)
+    else:
+        _check_out(out, k, torch.float32, op)
+    _ops.randk_compress_into(
+        x, residual, out, seed, step, bucket, start, -1 if end is None else end
+    )
     return out
 
 
@@ -691,18 +724,29 @@ def randk_decompress(
     divisor: int,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
+    start: int = 0,
+    end: int | None = None,
 ) -> torch.Tensor:
     """Dense ``numel`` tensor holding ``values / divisor`` at the random-k indices, else 0
-    (written into ``out`` when given)."""
+    (written into ``out`` when given).
+
+    ``start``, ``end`` (None: k = values.numel()): only the elements of strata
+    [start, end) are written (reference.randk_strata), from ``values[start:end]``; the
+    rest of ``out`` is left as it is (without ``out``, uninitialized).
+    """
     op = "randk_decompress"
-    _check_ints(op, numel=numel, seed=seed, step=step, bucket=bucket, divisor=divisor)
+    _check_ints(op, numel=numel, seed=seed, step=step, bucket=bucket, divisor=divisor, start=start)
+    if end is not None:
+        _check_ints(op, end=end)
     if out is None:
         _check_divisor_dtype(divisor, dtype, op)
         _check_sparse_numel_k(numel, values.numel(), op)
         out = values.new_empty(numel, dtype=dtype)
     else:
         _check_out(out, numel, dtype, op)
-    _ops.randk_decompress_into(values, out, seed, step, bucket, divisor)
+    _ops.randk_decompress_into(
+        values, out, seed, step, bucket, divisor, start, -1 if end is None else end
+    )
     return out
 
 
@@ -733,7 +777,7 @@ def _(payloads, out, k, divisor, value_dtype, check=True):
 
 
 @torch.library.register_fake("ddpcomm::randk_compress_into")
-def _(x, residual, out, seed, step, bucket):
+def _(x, residual, out, seed, step, bucket, start=0, end=-1):
     op = "randk_compress"
     _check_sparse_input(x, residual, out.numel(), op)
     _check(
@@ -744,10 +788,11 @@ def _(x, residual, out, seed, step, bucket):
     _check_apart(out, "out", x, "x", op)
     _check_apart(residual, "residual", x, "x", op)
     _check_apart(residual, "residual", out, "out", op)
+    _check_strata(start, end, out.numel(), op)
 
 
 @torch.library.register_fake("ddpcomm::randk_decompress_into")
-def _(values, out, seed, step, bucket, divisor):
+def _(values, out, seed, step, bucket, divisor, start=0, end=-1):
     op = "randk_decompress"
     _check_float_tensor(values, "values", op)
     _check(values.dim() == 1, f"{op}: values must be 1-D, got {values.dim()} dimensions")
@@ -759,3 +804,4 @@ def _(values, out, seed, step, bucket, divisor):
         f"{op}: out is on {out.device} but values are on {values.device}",
     )
     _check_apart(out, "out", values, "values", op)
+    _check_strata(start, end, values.numel(), op)

@@ -430,25 +430,51 @@ def randk_indices(numel: int, k: int, seed: int, step: int, bucket: int) -> torc
     return lo + _shr(u32 * (hi - lo), 32)
 
 
+def randk_strata(numel: int, k: int, start: int = 0, end: int | None = None) -> tuple:
+    """Strata [start, end) (end None: k) and the bucket elements they cover, [lo, hi):
+    stratum j is [j*numel//k, (j+1)*numel//k), so a range of strata is one contiguous range
+    of the bucket. Raises ValueError unless 0 <= start <= end <= k."""
+    end = k if end is None else end
+    if not 0 <= start <= end <= k:
+        raise ValueError(f"strata must satisfy 0 <= start <= end <= k={k}, got {start}, {end}")
+    return start, end, start * numel // k, end * numel // k
+
+
 def randk_compress(
-    x: torch.Tensor, residual: torch.Tensor | None, k: int, seed: int, step: int, bucket: int
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    k: int,
+    seed: int,
+    step: int,
+    bucket: int,
+    start: int = 0,
+    end: int | None = None,
 ) -> torch.Tensor:
     """fp32 e = x + residual at randk_indices; the residual becomes e, 0 at those indices.
 
     If any entry of e is non-finite (sent or not), every value is NaN, so the reduced
     result is non-finite on every rank.
+
+    ``start``, ``end``: only strata [start, end) (of k; end None: k), which cover the
+    elements [lo, hi) of :func:`randk_strata`. Returns their end - start values, reads and
+    updates x and the residual on [lo, hi) only, and the NaN rule covers [lo, hi): a
+    non-finite entry makes its own range's values NaN, not the other ranges'. The ranges
+    of a partition of [0, k) therefore give, concatenated, the values (and residual) of
+    the whole call whenever every e is finite; collectives._randk spreads the NaN of a
+    non-finite range over the whole result itself.
     """
-    e = x.reshape(-1).float()
+    start, end, lo, hi = randk_strata(x.numel(), k, start, end)
+    e = x.reshape(-1)[lo:hi].float()
     if residual is not None:
-        e = canonical(e + residual.reshape(-1))
-    idx = randk_indices(e.numel(), k, seed, step, bucket)
+        e = canonical(e + residual.reshape(-1)[lo:hi])
+    idx = randk_indices(x.numel(), k, seed, step, bucket)[start:end] - lo
     values = e[idx].clone()
     if not bool(torch.isfinite(e).all()):
         values.fill_(float("nan"))
     if residual is not None:
         e = e.clone()
         e[idx] = 0.0
-        residual.copy_(e.view_as(residual))
+        residual.reshape(-1)[lo:hi] = e
     return values
 
 
@@ -460,9 +486,18 @@ def randk_decompress(
     bucket: int,
     divisor: int,
     dtype: torch.dtype,
+    start: int = 0,
+    end: int | None = None,
 ) -> torch.Tensor:
-    """Zeros of ``numel`` with values / divisor (fp32) at randk_indices, cast to dtype."""
-    out = torch.zeros(numel, dtype=torch.float32)
-    idx = randk_indices(numel, values.numel(), seed, step, bucket)
-    out[idx] = values.float() / float(divisor)
+    """Zeros of ``numel`` with values / divisor (fp32) at randk_indices, cast to dtype.
+
+    ``values`` holds all k values; ``start``, ``end``: only strata [start, end) (end None:
+    k), whose elements [lo, hi) (:func:`randk_strata`) are returned: hi - lo of them, from
+    values[start:end]. Ranges of a partition of [0, k) concatenate to the whole result.
+    """
+    k = values.numel()
+    start, end, lo, hi = randk_strata(numel, k, start, end)
+    out = torch.zeros(hi - lo, dtype=torch.float32)
+    idx = randk_indices(numel, k, seed, step, bucket)[start:end] - lo
+    out[idx] = values[start:end].float() / float(divisor)
     return canonical(out.to(dtype))

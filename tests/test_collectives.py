@@ -328,6 +328,51 @@ def check_link_pieces(r: Rank, c) -> None:
     assert_same_on_every_rank(torch.tensor(counts), r.world)
 
 
+def check_randk_pipelined(r: Rank, c) -> None:
+    # At two ranks on gloo random-k compresses, sends and decodes its strata in pieces, each
+    # decoded as it lands (collectives._randk_pipelined; CPU tensors). Step after step, with
+    # error feedback, the result and the residual are those of the bucket in one piece, bit
+    # for bit: for finite input, for a non-finite entry in one piece of the last rank (NaN
+    # at every sent index, as the whole call makes it, and the residual reset), and for
+    # finite values whose sum overflows to Inf in one piece (Inf there only).
+    n = 41 * 200 + 7
+    payload = payload_bytes(c, n)
+    limits = ("_GLOO_PIECE_BYTES", "_GLOO_PIECE_BUCKET_BYTES")
+    saved = [getattr(collectives, name) for name in limits]
+    compress, starts = ops.randk_compress, []
+
+    def counting(*args, **kwargs):
+        starts.append(kwargs.get("start", 0))
+        return compress(*args, **kwargs)
+
+    whole_memory, pieces_memory = ResidualMemory(), ResidualMemory()
+    for step in range(4):
+        x = rank_input(r.rank, n, step)
+        if step == 1 and r.rank == r.world - 1:
+            x[n // 2] = float("nan")
+        if step == 2:
+            x[: n // 5] = 3e38  # sums of two ranks overflow
+        outs = []
+        for memory, piece in ((whole_memory, 10 * payload), (pieces_memory, payload // 5)):
+            for name, value in zip(limits, (piece, 1 << 60), strict=True):
+                setattr(collectives, name, value)
+            ops.randk_compress = counting
+            try:
+                outs.append(r.reduce(x, c, memory, key=3, step=step)[0])
+            finally:
+                ops.randk_compress = compress
+                for name, value in zip(limits, saved, strict=True):
+                    setattr(collectives, name, value)
+        whole, pieces = outs
+        assert torch.equal(whole.view(torch.uint8), pieces.view(torch.uint8)), step
+        for key, buf in whole_memory.buffers.items():
+            assert torch.equal(pieces_memory.buffers[key].view(torch.uint8), buf.view(torch.uint8))
+        assert bool(whole.isnan().any()) == (step == 1)
+        assert bool(whole.isinf().any()) == (step == 2 and r.world > 1)
+    pipelined = r.world == 2 and r.device == "cpu"
+    assert any(starts) == pipelined, starts
+
+
 def check_dense_switch(r: Rank, c) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         x = rank_input(r.rank, N).to(dtype)
@@ -441,6 +486,7 @@ CHECKS = [
     ("ratio_one", {m: METHODS[m] for m in SPARSE}, check_ratio_one),
     ("pieces", PIECES, check_pieces),
     ("link_pieces", {m: PIECES[m] for m in ("q8", "topk")}, check_link_pieces),
+    ("randk_pipelined", {"randk": PIECES["randk"]}, check_randk_pipelined),
     ("dense_switch", {"topk:0.6": ("topk:0.6", dict(error_feedback=False))}, check_dense_switch),
     ("wrapper", {m: METHODS[m] for m in SPARSE}, check_wrapper),
 ]
@@ -535,6 +581,11 @@ def test_link_rate_counts_only_time_on_the_wire(monkeypatch):
     call(100, [(20, "issued", 0), (22, "landed", 0)])
     link.start(0, 0)
     assert link._best == 200.0
+
+
+@per_group
+def test_randk_pipelined_gives_the_whole_bucket_bits(groups, world, device):
+    groups.values(world, device, "randk_pipelined", "randk")
 
 
 @per_group

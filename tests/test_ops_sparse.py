@@ -437,6 +437,89 @@ def test_randk_non_finite_anywhere_poisons_every_value(device, with_residual):
     assert_same_bits(values, oracle(device).randk_compress(x, res, k, 0, 0, 0))
 
 
+def strata_cuts(k: int) -> list[tuple[int, int]]:
+    """Uneven consecutive ranges covering the strata [0, k), after an empty one."""
+    cuts = sorted({0, min(1, k), k // 3, min(k // 2 + 1, k), k})
+    return [(0, 0), *zip(cuts, cuts[1:], strict=False)]
+
+
+def randk_range_oracle(device, x, res, k, start, end):
+    """The oracle's values of strata [start, end) (the CPU op returns all k)."""
+    if device == "cpu":
+        return ref.randk_compress(x, res, k, 3, 4, 5, start=start, end=end)
+    return ops.randk_compress(x, res, k, 3, 4, 5, start=start, end=end)[start:end]
+
+
+def randk_dense_oracle(device, values, n, dtype, start, end):
+    """The oracle's elements of strata [start, end) (the CPU op returns all n)."""
+    if device == "cpu":
+        return ref.randk_decompress(values, n, 3, 4, 5, 3, dtype, start=start, end=end)
+    lo, hi = start * n // values.numel(), end * n // values.numel()
+    return ops.randk_decompress(values, n, 3, 4, 5, 3, dtype, start=start, end=end)[lo:hi]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_randk_strata_match_reference_and_the_whole_call(device, dtype):
+    # Strata [start, end) read and write one range of the bucket: each range is the
+    # oracle's (reference.py on CPU, the CPU op for CUDA), and a partition of [0, k) gives
+    # the whole call's values, residual and dense result, bit for bit.
+    for n in sizes(device):
+        x = gen(n, dtype, n + 1)
+        for k in sorted({1, k_for(n, 0.01), max(1, n // 3), n}):
+            res0 = gen(n, torch.float32, 3) * 0.1
+            whole_res = res0.clone().to(device)
+            whole = ops.randk_compress(x.to(device), whole_res, k, 3, 4, 5)
+            res, res_oracle = res0.clone().to(device), res0.clone()
+            values = torch.full((k,), 7.0, device=device)
+            for start, end in strata_cuts(k):
+                got = ops.randk_compress(x.to(device), res, k, 3, 4, 5, values, start, end)
+                assert got is values
+                want = randk_range_oracle(device, x, res_oracle, k, start, end)
+                assert_same_bits(values[start:end], want)
+            assert_same_bits(values, whole)
+            assert_same_bits(res, whole_res)
+            assert_same_bits(res_oracle, whole_res)
+            for out_dtype in DTYPES:
+                dense = torch.full((n,), 9.0, dtype=out_dtype, device=device)
+                for start, end in strata_cuts(k):
+                    lo, hi = start * n // k, end * n // k
+                    ops.randk_decompress(whole, n, 3, 4, 5, 3, out_dtype, dense, start, end)
+                    want = randk_dense_oracle(device, whole.cpu(), n, out_dtype, start, end)
+                    assert_same_bits(dense[lo:hi], want)
+                    assert bool((dense[hi:] == 9.0).all())  # the rest is not touched
+                assert_same_bits(dense, ops.randk_decompress(whole, n, 3, 4, 5, 3, out_dtype))
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_randk_strata_non_finite_poisons_its_own_range(device, with_residual):
+    # A range's NaN rule covers its own elements: a non-finite entry in the middle range
+    # makes that range's values NaN, and the other ranges keep the whole call's values
+    # of a finite bucket (collectives._randk spreads the NaN over the result itself).
+    n, k = 10007, 10
+    x = gen(n, torch.float32, 8)
+    finite = ops.randk_compress(x.to(device), None, k, 0, 0, 0)
+    x[5000] = float("inf")  # in strata [4, 6)
+    res = torch.zeros(n) if with_residual else None
+    for start, end in [(0, 4), (4, 6), (6, 10)]:
+        got = ops.randk_compress(
+            x.to(device),
+            None if res is None else res.to(device),
+            k,
+            0,
+            0,
+            0,
+            start=start,
+            end=end,
+        )[start:end]
+        if start == 4:
+            assert torch.isnan(got).all()
+        else:
+            assert_same_bits(got, finite[start:end])
+        ref_res = None if res is None else torch.zeros(n)
+        want = ref.randk_compress(x, ref_res, k, 0, 0, 0, start=start, end=end)
+        assert_same_bits(got, want)
+
+
 # ---------------------------------------------------------------------------------------
 # Canonical NaNs, out-variants
 # ---------------------------------------------------------------------------------------
@@ -564,6 +647,16 @@ def test_opcheck_every_op(device):
             2,
         ),
     )
+    # Strata ranges: a middle one, an empty one, and end=-1 (k).
+    for start, end in [(3, 7), (5, 5), (4, -1)]:
+        torch.library.opcheck(
+            torch.ops.ddpcomm.randk_compress_into,
+            (x, zeros, torch.zeros(k, device=device), 1, 2, 3, start, end),
+        )
+        torch.library.opcheck(
+            torch.ops.ddpcomm.randk_decompress_into,
+            (torch.ones(k, device=device), torch.zeros(n, device=device), 1, 2, 3, 2, start, end),
+        )
 
 
 def _bad_calls(d):
@@ -610,6 +703,20 @@ def _bad_calls(d):
         (
             lambda: ops.randk_decompress(torch.ones(2, device=d), 10, 0, 0, 0, 0, torch.float32),
             "divisor must be",
+        ),
+        (
+            lambda: ops.randk_compress(torch.ones(10, device=d), None, 4, 0, 0, 0, start=3, end=2),
+            r"start and end must satisfy 0 <= start <= end <= k=4 \(end=-1: k\), got start=3",
+        ),
+        (
+            lambda: ops.randk_compress(torch.ones(10, device=d), None, 4, 0, 0, 0, end=5),
+            "start and end must satisfy",
+        ),
+        (
+            lambda: ops.randk_decompress(
+                torch.ones(4, device=d), 10, 0, 0, 0, 1, torch.float32, start=-1
+            ),
+            "start and end must satisfy",
         ),
         (
             lambda: ops.randk_decompress(torch.ones(2, device=d), 10, 0, 0, 0, 1, torch.int32),
@@ -720,6 +827,8 @@ def test_no_rows_and_bools_are_refused(device):
         lambda: ops.sparse_accumulate(rows, 1000, 10, True, torch.float32, torch.float32),
         lambda: ops.randk_compress(x, None, 3, 0, 0, True),
         lambda: ops.randk_decompress(x[:3], 100, 0, True, 0, 1, torch.float32),
+        lambda: ops.randk_compress(x, None, 3, 0, 0, 0, start=True),
+        lambda: ops.randk_decompress(x[:3], 100, 0, 0, 0, 1, torch.float32, end=False),
     ]
     for call in bad:
         with pytest.raises(TypeError, match=r"\w+: \w+ must be an int, got (True|False)"):
@@ -759,6 +868,10 @@ def test_fakes_raise_like_the_native_ops():
             torch.ones(3), torch.empty(10, dtype=torch.int32), 1, 2, 3, 1
         ),
         lambda: q.randk_decompress_into(torch.ones(3, 1), torch.empty(10), 1, 2, 3, 1),
+        lambda: q.randk_compress_into(torch.randn(10), None, torch.empty(3), 1, 2, 3, 2, 1),
+        lambda: q.randk_compress_into(torch.randn(10), None, torch.empty(3), 1, 2, 3, 0, 4),
+        lambda: q.randk_decompress_into(torch.ones(3), torch.empty(10), 1, 2, 3, 1, -1, 2),
+        lambda: q.randk_decompress_into(torch.ones(3), torch.empty(10), 1, 2, 3, 1, 0, -2),
     ]
     for call in calls:
         try:

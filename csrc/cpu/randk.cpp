@@ -2,7 +2,9 @@
 // Indices come from csrc/numerics.h (randk_key / randk_index: one index per stratum, so
 // they are distinct, ascending and the same on every rank); ddpcomm/reference.py states
 // the semantics. The strata are contiguous ranges of the bucket, so a parallel task owns a
-// contiguous slice and the error-feedback add fuses with the gather in one pass.
+// contiguous slice and the error-feedback add fuses with the gather in one pass, and a call
+// over strata [start, end) touches only their slice of the bucket: the collectives compress
+// piece i + 1 while piece i is on the wire and piece i - 1 is decoded.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -32,20 +34,21 @@ constexpr int64_t kTaskElements = 1 << 16;
 int64_t strata_grain(int64_t n, int64_t k) { return std::max<int64_t>(1, k * kTaskElements / n); }
 
 void randk_compress_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                             const at::Tensor& values, int64_t seed, int64_t step, int64_t bucket) {
-  check_randk_compress(x, residual, values);
+                             const at::Tensor& values, int64_t seed, int64_t step, int64_t bucket,
+                             int64_t start, int64_t end) {
+  end = check_randk_compress(x, residual, values, start, end);
   const int64_t n = x.numel(), k = values.numel();
   const at::Tensor xc = x.contiguous();
   float* res = residual ? residual->data_ptr<float>() : nullptr;
   float* vp = values.data_ptr<float>();
   const uint64_t key = randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket);
   // A non-finite entry is usually not among the k sent, so it is looked for over the whole
-  // bucket (in the same pass as the EF add): the sent values then all become NaN, which
+  // range (in the same pass as the EF add): the range's values then all become NaN, which
   // makes the reduced result non-finite on every rank (GradScaler skips the step).
   std::atomic<bool> all_finite{true};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "randk_compress", [&] {
     const scalar_t* xp = xc.data_ptr<scalar_t>();
-    at::parallel_for(0, k, strata_grain(n, k), [&](int64_t j0, int64_t j1) {
+    at::parallel_for(start, end, strata_grain(n, k), [&](int64_t j0, int64_t j1) {
       // The task's strata are one contiguous range of the bucket: the EF add and the
       // finiteness test run over it as one flat loop (which vectorizes; per stratum, ~100
       // elements with bounds computed per stratum, it did not), then the picks.
@@ -71,25 +74,28 @@ void randk_compress_into_cpu(const at::Tensor& x, const std::optional<at::Tensor
       if (bad) all_finite.store(false, std::memory_order_relaxed);
     });
   });
-  if (!all_finite.load()) values.fill_(canonical_nan());
+  if (!all_finite.load()) values.narrow(0, start, end - start).fill_(canonical_nan());
 }
 
 void randk_decompress_into_cpu(const at::Tensor& values, const at::Tensor& out, int64_t seed,
-                               int64_t step, int64_t bucket, int64_t divisor) {
-  check_randk_decompress(values, out, divisor);
+                               int64_t step, int64_t bucket, int64_t divisor, int64_t start,
+                               int64_t end) {
+  end = check_randk_decompress(values, out, divisor, start, end);
   const int64_t k = values.numel(), numel = out.numel();
-  const at::Tensor vf = values.to(at::kFloat).contiguous();
-  const float* vp = vf.data_ptr<float>();
+  // Only the range's values are read (converted, for 16-bit values, once per range).
+  const at::Tensor vf = values.narrow(0, start, end - start).to(at::kFloat).contiguous();
+  const float* vp = vf.data_ptr<float>();  // vp[j - start] is value j
   const float div = (float)divisor;
   const uint64_t key = randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, out.scalar_type(), "randk_decompress", [&] {
         scalar_t* o = out.data_ptr<scalar_t>();
-        at::parallel_for(0, k, strata_grain(numel, k), [&](int64_t j0, int64_t j1) {
+        at::parallel_for(start, end, strata_grain(numel, k), [&](int64_t j0, int64_t j1) {
           for (int64_t j = j0; j < j1; ++j) {
             const int64_t lo = j * numel / k, hi = (j + 1) * numel / k;
             std::fill(o + lo, o + hi, static_cast<scalar_t>(0.0f));
-            o[randk_index(key, j, numel, k)] = static_cast<scalar_t>(canonical(vp[j] / div));
+            o[randk_index(key, j, numel, k)] =
+                static_cast<scalar_t>(canonical(vp[j - start] / div));
           }
         });
       });

@@ -130,15 +130,17 @@ cudaError_t launch_sparse_index(const SparsePayloads& p, int32_t* bad, int32_t* 
 cudaError_t launch_sparse_accumulate(const SparsePayloads& p, const int32_t* start, int64_t divisor,
                                      void* out, FloatType out_type, cudaStream_t stream);
 
-// randk: values (k floats) of e = x (+ residual; residual becomes e, 0 at the sent
-// entries), all NaN when any e is non-finite. flag: one int of device scratch.
+// randk, over strata [j0, j1) of k (0 <= j0 <= j1 <= k) and their elements [j0*n/k, j1*n/k):
+// values[j0, j1) of e = x (+ residual; residual becomes e, 0 at the sent entries), all NaN
+// when any e of those elements is non-finite. flag: one int of device scratch.
 cudaError_t launch_randk_compress(const void* x, FloatType x_type, float* residual, int64_t n,
-                                  int64_t k, uint64_t key, float* values, int* flag,
-                                  cudaStream_t stream);
-// out (numel elements of out_type) = 0, values / divisor at the random-k indices.
-cudaError_t launch_randk_decompress(const float* values, int64_t numel, int64_t k, uint64_t key,
-                                    int64_t divisor, void* out, FloatType out_type,
-                                    cudaStream_t stream);
+                                  int64_t k, int64_t j0, int64_t j1, uint64_t key, float* values,
+                                  int* flag, cudaStream_t stream);
+// out (numel elements of out_type) over those elements = 0, values[j] / divisor at the
+// random-k indices of strata [j0, j1); the rest of out is not touched.
+cudaError_t launch_randk_decompress(const float* values, int64_t numel, int64_t k, int64_t j0,
+                                    int64_t j1, uint64_t key, int64_t divisor, void* out,
+                                    FloatType out_type, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace ddpcomm

@@ -101,29 +101,32 @@ void sparse_accumulate_into_cuda(const at::Tensor& payloads, const at::Tensor& o
 }
 
 void randk_compress_into_cuda(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                              const at::Tensor& values, int64_t seed, int64_t step,
-                              int64_t bucket) {
-  check_randk_compress(x, residual, values);
+                              const at::Tensor& values, int64_t seed, int64_t step, int64_t bucket,
+                              int64_t start, int64_t end) {
+  end = check_randk_compress(x, residual, values, start, end);
   check_on_cuda(x, "x", "randk_compress");
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor xc = x.contiguous();
   at::Tensor flag = at::empty({1}, x.options().dtype(at::kInt));
   C10_CUDA_CHECK(cuda::launch_randk_compress(
       xc.data_ptr(), float_type(x.scalar_type()), residual ? residual->data_ptr<float>() : nullptr,
-      x.numel(), values.numel(), randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket),
-      values.data_ptr<float>(), flag.data_ptr<int32_t>(), current_stream()));
+      x.numel(), values.numel(), start, end,
+      randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket), values.data_ptr<float>(),
+      flag.data_ptr<int32_t>(), current_stream()));
 }
 
 void randk_decompress_into_cuda(const at::Tensor& values, const at::Tensor& out, int64_t seed,
-                                int64_t step, int64_t bucket, int64_t divisor) {
-  check_randk_decompress(values, out, divisor);
+                                int64_t step, int64_t bucket, int64_t divisor, int64_t start,
+                                int64_t end) {
+  end = check_randk_decompress(values, out, divisor, start, end);
   check_on_cuda(values, "values", "randk_decompress");
   const int64_t k = values.numel(), numel = out.numel();
   const c10::cuda::CUDAGuard guard(values.device());
   const at::Tensor vf = values.to(at::kFloat).contiguous();
   C10_CUDA_CHECK(cuda::launch_randk_decompress(
-      vf.data_ptr<float>(), numel, k, randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket),
-      divisor, out.data_ptr(), float_type(out.scalar_type()), current_stream()));
+      vf.data_ptr<float>(), numel, k, start, end,
+      randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket), divisor, out.data_ptr(),
+      float_type(out.scalar_type()), current_stream()));
 }
 
 }  // namespace

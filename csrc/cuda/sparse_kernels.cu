@@ -31,7 +31,8 @@
 // dense output is written exactly once. With check=True the indices are validated first, like the
 // CPU op does, and the binding raises before anything is scattered.
 //
-// randk: an elementwise pass (EF add, non-finite flag) and one thread per stratum.
+// randk: an elementwise pass (EF add, non-finite flag) and one thread per stratum, over the strata
+// [j0, j1) asked for and their elements only.
 
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -527,11 +528,13 @@ __global__ void __launch_bounds__(kThreads)
 // randk
 // ---------------------------------------------------------------------------------------
 
-// e = x (+ residual, stored back); flag = 1 if any e is non-finite.
+// Over the elements [lo, hi) of strata [j0, j1): e = x (+ residual, stored back); flag = 1 if
+// any e there is non-finite.
 __global__ void __launch_bounds__(kThreads)
-    randk_scan_kernel(const void* x, FloatType x_type, float* residual, int64_t n, int* flag) {
+    randk_scan_kernel(const void* x, FloatType x_type, float* residual, int64_t lo, int64_t hi,
+                      int* flag) {
   bool finite = true;
-  for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < n;
+  for (int64_t i = lo + (int64_t)blockIdx.x * kThreads + threadIdx.x; i < hi;
        i += (int64_t)gridDim.x * kThreads) {
     float e = load_elem(x, x_type, i);
     if (residual != nullptr) {
@@ -543,11 +546,12 @@ __global__ void __launch_bounds__(kThreads)
   if (__any_sync(0xffffffffu, !finite) && (threadIdx.x & 31) == 0) *flag = 1;
 }
 
+// One thread per stratum j in [j0, j1).
 __global__ void __launch_bounds__(kThreads)
     randk_gather_kernel(const void* x, FloatType x_type, float* residual, int64_t n, int64_t k,
-                        uint64_t key, const int* flag, float* values) {
-  const int64_t j = (int64_t)blockIdx.x * kThreads + threadIdx.x;
-  if (j >= k) return;
+                        int64_t j0, int64_t j1, uint64_t key, const int* flag, float* values) {
+  const int64_t j = j0 + (int64_t)blockIdx.x * kThreads + threadIdx.x;
+  if (j >= j1) return;
   const int64_t i = randk_index(key, j, n, k);
   float v;
   if (residual != nullptr) {
@@ -560,10 +564,10 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads)
-    randk_scatter_kernel(const float* values, int64_t n, int64_t k, uint64_t key, float divisor,
-                         void* out, FloatType out_type) {
-  const int64_t j = (int64_t)blockIdx.x * kThreads + threadIdx.x;
-  if (j >= k) return;
+    randk_scatter_kernel(const float* values, int64_t n, int64_t k, int64_t j0, int64_t j1,
+                         uint64_t key, float divisor, void* out, FloatType out_type) {
+  const int64_t j = j0 + (int64_t)blockIdx.x * kThreads + threadIdx.x;
+  if (j >= j1) return;
   store_elem(out, out_type, randk_index(key, j, n, k), values[j] / divisor);
 }
 
@@ -722,26 +726,34 @@ cudaError_t launch_sparse_accumulate(const SparsePayloads& p, const int32_t* sta
 // ---- randk ----
 
 cudaError_t launch_randk_compress(const void* x, FloatType x_type, float* residual, int64_t n,
-                                  int64_t k, uint64_t key, float* values, int* flag,
-                                  cudaStream_t stream) {
-  if (n < 1 || k < 1 || k > n) return cudaErrorInvalidValue;
+                                  int64_t k, int64_t j0, int64_t j1, uint64_t key, float* values,
+                                  int* flag, cudaStream_t stream) {
+  if (n < 1 || k < 1 || k > n || j0 < 0 || j0 > j1 || j1 > k) return cudaErrorInvalidValue;
+  if (j0 == j1) return cudaSuccess;
+  const int64_t lo = j0 * n / k, hi = j1 * n / k;  // the strata's elements (numerics.h)
   cudaError_t err = cudaMemsetAsync(flag, 0, sizeof(int), stream);
   if (err != cudaSuccess) return err;
-  randk_scan_kernel<<<grid_for(n, (int64_t)kThreads * 8, 8192), kThreads, 0, stream>>>(
-      x, x_type, residual, n, flag);
-  randk_gather_kernel<<<grid_for(k, kThreads, 0x7fffffffLL), kThreads, 0, stream>>>(
-      x, x_type, residual, n, k, key, flag, values);
+  randk_scan_kernel<<<grid_for(hi - lo, (int64_t)kThreads * 8, 8192), kThreads, 0, stream>>>(
+      x, x_type, residual, lo, hi, flag);
+  randk_gather_kernel<<<grid_for(j1 - j0, kThreads, 0x7fffffffLL), kThreads, 0, stream>>>(
+      x, x_type, residual, n, k, j0, j1, key, flag, values);
   return cudaGetLastError();
 }
 
-cudaError_t launch_randk_decompress(const float* values, int64_t numel, int64_t k, uint64_t key,
-                                    int64_t divisor, void* out, FloatType out_type,
-                                    cudaStream_t stream) {
-  if (numel < 1 || k < 1 || k > numel || divisor < 1) return cudaErrorInvalidValue;
-  cudaError_t err = cudaMemsetAsync(out, 0, numel * elem_bytes(out_type), stream);
+cudaError_t launch_randk_decompress(const float* values, int64_t numel, int64_t k, int64_t j0,
+                                    int64_t j1, uint64_t key, int64_t divisor, void* out,
+                                    FloatType out_type, cudaStream_t stream) {
+  if (numel < 1 || k < 1 || k > numel || divisor < 1 || j0 < 0 || j0 > j1 || j1 > k) {
+    return cudaErrorInvalidValue;
+  }
+  if (j0 == j1) return cudaSuccess;
+  const int64_t lo = j0 * numel / k, hi = j1 * numel / k;
+  const int64_t bytes = elem_bytes(out_type);
+  cudaError_t err =
+      cudaMemsetAsync(static_cast<char*>(out) + lo * bytes, 0, (hi - lo) * bytes, stream);
   if (err != cudaSuccess) return err;
-  randk_scatter_kernel<<<grid_for(k, kThreads, 0x7fffffffLL), kThreads, 0, stream>>>(
-      values, numel, k, key, (float)divisor, out, out_type);
+  randk_scatter_kernel<<<grid_for(j1 - j0, kThreads, 0x7fffffffLL), kThreads, 0, stream>>>(
+      values, numel, k, j0, j1, key, (float)divisor, out, out_type);
   return cudaGetLastError();
 }
 
