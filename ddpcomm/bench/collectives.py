@@ -18,10 +18,11 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from ddpcomm import adaptive, groups
+from ddpcomm import adaptive, groups, wrappers
 from ddpcomm.bench import _methods, _ranks
 from ddpcomm.bench._util import environment, finish, link_lines, short, table, wall
 from ddpcomm.compressors import Quantizer, RandomK, TopK
+from ddpcomm.context import LinkRate
 from ddpcomm.groups import all_gather_single
 
 DESCRIPTION = """\
@@ -58,6 +59,7 @@ compares each two-level method with its flat form."""
 
 COLS = 1024  # columns of every gradient matrix in the bucket
 MIB = 2**20
+_CALLED = (Quantizer, TopK, RandomK)  # methods with a codec, and ddpcomm.all_reduce rows
 
 
 def add_parser(sub) -> None:
@@ -339,7 +341,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
             result.update(median_s=medians[name], times_s=per_call)
     if len(runs) > 1:
         result.update(plain_s=medians["allreduce"], fixed_s=medians[methods[2]])
-    result.update({f"{k}_s": medians[k] for k in ("wire", "codec") if k in medians})
+    result.update({f"{k}_s": medians[k] for k in ("wire", "codec", "call") if k in medians})
     if plain:
         result["codec_s"] = 0.0  # nothing to compress or decode
     if split:  # each step's slowest rank; the barriers between them left out
@@ -446,9 +448,9 @@ def _probes(method, state, last, shapes, grad, warmup) -> tuple[list[tuple], boo
         wire = _two_level(kind, last["cross_node_bytes"], grad.numel(), local, device)
     else:
         wire = _plain(kind, last["measured_bytes"], dist.group.WORLD, device)
-    entries = [("wire", None, None, wire)]
+    entries = [("wire", None, None, wire), *_call(method, state, grad, warmup)]
     plain = path in ("plain", "empty")
-    if plain or not isinstance(state.compressor, (Quantizer, TopK, RandomK)):
+    if plain or not isinstance(state.compressor, _CALLED):
         return entries, plain
     if not _fake:
         import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers "fake"
@@ -463,6 +465,22 @@ def _probes(method, state, last, shapes, grad, warmup) -> tuple[list[tuple], boo
         _reduce(*run)
     codec = ("codec", run[3].buffer().copy_, grad, functools.partial(_reduce, *run))
     return [*entries, codec], False
+
+
+def _call(method: str, state, grad: torch.Tensor, warmup: int) -> list[tuple]:
+    """``ddpcomm.all_reduce`` of the method on a copy of the bucket (``call``), timed in
+    turn with its hook: the same bytes outside DDP. Spec strings there carry no residual,
+    so a method with error feedback runs without it (one pass fewer than its hook)."""
+    if "adaptive" in method.split(",") or not isinstance(state.compressor, _CALLED):
+        return []
+    out = grad.clone()
+    try:
+        wrappers.all_reduce(out, method)  # also refuses the hooks' schedule options
+    except ValueError:
+        return []
+    for _ in range(LinkRate.FIRST + warmup):  # until its pieces follow the agreed rate
+        wrappers.all_reduce(out.copy_(grad), method)
+    return [("call", out.copy_, grad, functools.partial(wrappers.all_reduce, out, method))]
 
 
 def _plain(kind: str, nbytes: float, group, device):
@@ -581,6 +599,7 @@ def report(result: dict, markdown: bool = False) -> str:
         )
     lines += ["", table(headers, body, markdown)]
     lines += _two_level_table(rows, markdown)
+    lines += _call_table(rows, markdown)
     lines += _adaptive_summary(rows, plain)
     lines += [f"warning: {w}" for w in env.get("warnings", [])]
     return "\n".join(lines)
@@ -625,6 +644,27 @@ def _two_level_table(rows: list[dict], markdown: bool) -> list[str]:
     headers = ["two-level", "flat", "MiB", "speedup", "bytes across/node", "error"]
     headers += ["wire-only ms inside nodes", "across"]
     return ["", "two-level against flat, same run:", "", table(headers, body, markdown)]
+
+
+def _call_table(rows: list[dict], markdown: bool) -> list[str]:
+    """Each method through ``ddpcomm.all_reduce`` against its hook, timed in turn."""
+    body = [
+        [
+            r["method"],
+            str(r["world"]),
+            f"{r['size_mib']:g}",
+            f"{r['median_s'] * 1e3:.1f}",
+            f"{r['call_s'] * 1e3:.1f}",
+            f"{r['call_s'] / r['median_s']:.3f}",
+        ]
+        for r in rows
+        if r["status"] == "ok" and "call_s" in r
+    ]
+    if not body:
+        return []
+    headers = ["method", "ranks", "MiB", "hook ms", "ddpcomm.all_reduce ms", "ratio"]
+    note = "ddpcomm.all_reduce against the hook, same bytes, timed in turn (no error feedback):"
+    return ["", note, "", table(headers, body, markdown)]
 
 
 def _adaptive_summary(rows: list[dict], plain: dict) -> list[str]:
