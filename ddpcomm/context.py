@@ -26,6 +26,8 @@ from collections import Counter, OrderedDict
 import torch
 import torch.distributed as dist
 
+from ddpcomm.node_memory import Segment
+
 # The residual kinds and buffer names of a two-level reduction's cross-node step start
 # with this (ReduceContext.across).
 SHARD = "shard:"
@@ -57,7 +59,9 @@ class Stats:
     a hierarchy (warm-up, small or sparse buckets) is split that way. A two-level
     reduction sends 2(L-1)/L*S' inside its node (the reduce-scatter and the all-gather,
     ring schedules; S' is S padded to L equal shards) and across nodes what its method
-    sends for its shard of about S/L over N ranks. So ``none`` two-level has the ratio
+    sends for its shard of about S/L over N ranks; ``intra_node_shared_bytes`` is the
+    part of ``intra_node_bytes`` that went through shared memory (``node_memory``) instead
+    of the backend. So ``none`` two-level has the ratio
     (P-1)/P / ((N-1)/N) (1.5 at 2 nodes of 2 ranks: each node's shards cross with
     2(N-1)/N*S in all, the ring's one link with 2(P-1)/P*S), and a compressing method
     about that times its own ratio on the shard.
@@ -72,6 +76,7 @@ class Stats:
         "intra_node_bytes",
         "cross_node_bytes",
         "cross_node_dense_bytes",
+        "intra_node_shared_bytes",
         "nodes",
         "_lock",
     )
@@ -89,6 +94,7 @@ class Stats:
         self.intra_node_bytes = 0
         self.cross_node_bytes = 0
         self.cross_node_dense_bytes = 0
+        self.intra_node_shared_bytes = 0
         self.nodes = False  # whether anything was counted per node since the reset
 
     def record(self, path: str, sent: int, dense: int) -> None:
@@ -98,16 +104,17 @@ class Stats:
             self.dense_bytes += dense
             self.paths[path] += 1
 
-    def record_two_level(self, intra: int, dense: int, cross_dense: int) -> None:
-        """One two-level reduction: its steps inside the node, and what a flat all_reduce
-        would send in all and across nodes. Its cross-node step records through
-        ``across()``."""
+    def record_two_level(self, intra: int, dense: int, cross_dense: int, shared: bool) -> None:
+        """One two-level reduction: its steps inside the node (through shared memory or
+        not), and what a flat all_reduce would send in all and across nodes. Its
+        cross-node step records through ``across()``."""
         with self._lock:
             self.calls += 1
             self.paths["two_level"] += 1
             self.bytes_sent += intra
             self.dense_bytes += dense
             self.intra_node_bytes += intra
+            self.intra_node_shared_bytes += intra if shared else 0
             self.cross_node_dense_bytes += cross_dense
             self.nodes = True
 
@@ -141,6 +148,7 @@ class Stats:
                 d["intra_node_bytes"] = self.intra_node_bytes
                 d["cross_node_bytes"] = self.cross_node_bytes
                 d["cross_node_dense_bytes"] = self.cross_node_dense_bytes
+                d["intra_node_shared_bytes"] = self.intra_node_shared_bytes
             return d
 
 
@@ -454,12 +462,16 @@ class Workspace:
     ``allocations`` counts the buffers it made (tests pin steady-state calls at none).
     """
 
-    __slots__ = ("buffers", "links", "allocations")
+    __slots__ = ("buffers", "links", "allocations", "keep_segments")
 
     def __init__(self) -> None:
         self.buffers: dict[tuple, torch.Tensor] = {}
         self.links: dict[object, LinkRate] = {}
         self.allocations = 0
+        # Whether shared-memory segments are kept for the key's next call: not for calls
+        # that may overlap one of the same key (async ddpcomm.all_reduce), which must never
+        # write a segment a peer may still read (node_memory.Segment).
+        self.keep_segments = True
 
     def link(self, key) -> LinkRate:
         """The bucket's LinkRate (its gloo all-gathers' measured and agreed rate)."""
@@ -472,6 +484,16 @@ class Workspace:
             self.buffers[(name, key)] = buf
             self.allocations += 1
         return buf
+
+    def segment(self, name: str, key, nbytes: int) -> Segment:
+        """The key's shared-memory segment of ``nbytes`` per half (node_memory.Segment)."""
+        if not self.keep_segments:
+            return Segment(nbytes)
+        seg = self.buffers.get((name, key))
+        if seg is None or seg.nbytes != nbytes:
+            seg = self.buffers[(name, key)] = Segment(nbytes)
+            self.allocations += 1
+        return seg
 
 
 def _nbytes(buffers: dict) -> int:
@@ -631,6 +653,13 @@ class ReduceContext:
         if self.workspace is None:
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
         return self.workspace.get(self.part + name, self.key, nbytes, device)
+
+    def segment(self, name: str, nbytes: int) -> Segment:
+        """A shared-memory segment for this key (node_memory.Segment): the workspace's, or
+        a new one."""
+        if self.workspace is None:
+            return Segment(nbytes)
+        return self.workspace.segment(self.part + name, self.key, nbytes)
 
     def link(self) -> LinkRate | None:
         """This bucket's LinkRate: the workspace's, or None (one-off calls measure nothing)."""

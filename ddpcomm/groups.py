@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from ddpcomm import node_memory
 from ddpcomm.ops import numpy_bool
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single and reduce_scatter_tensor
@@ -297,6 +298,8 @@ class Topology:
             crosses nodes, and the one that is compressed.
         cross_turns, gather_turns: the order the cross step and the all-gather are issued
             in, from callbacks (``Turns``).
+        shared: on gloo, whether the node's ranks share a host and reduce inside it
+            through shared memory (``node_memory``); decided here, by the node.
 
     Groups are made once per (group, L, backend), at the first two-level reduction, by
     every member of ``group`` in the same order: the node split, then the cross split.
@@ -323,6 +326,7 @@ class Topology:
         "cross",
         "cross_turns",
         "gather_turns",
+        "shared",
     )
 
     def __init__(
@@ -356,6 +360,7 @@ class Topology:
             sequencer(self.cross, device)
         self.cross_turns = Turns(inline)
         self.gather_turns = Turns(inline)
+        self.shared = backend == "gloo" and node_memory.agreed(self.intra)
 
 
 def _splits_eagerly() -> bool:

@@ -16,6 +16,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ddpcomm import node_memory
 from ddpcomm.collectives import all_reduce_mean
 from ddpcomm.compressors import Compressor, dense_bytes
 from ddpcomm.context import ReduceContext
@@ -85,16 +86,24 @@ def two_level_mean(
     shard_numel = math.ceil(n / local)
     lo, hi = shard_range(n, local, topology.local_rank)
     dense = dense_bytes(n, local * topology.nodes, size)
-    ctx.stats.record_two_level(2 * (local - 1) * shard_numel * size, dense, dense // local)
 
     def typed(name: str, numel: int) -> torch.Tensor:
         return ctx.buffer(name, numel * size, flat.device).view(flat.dtype)
 
-    shard = typed("two_level_shard", shard_numel)
-    mine = shard[: hi - lo]
-    padded = flat if shard_numel * local == n else typed("two_level_pad", shard_numel * local)
-    node_sum = None
-    if topology.backend == "gloo":
+    shared = topology.shared and flat.device.type == "cpu"
+    even = shard_numel * local == n
+    padded = flat if even or shared else typed("two_level_pad", shard_numel * local)
+    intra = 2 * (local - 1) * shard_numel * size
+    ctx.stats.record_two_level(intra, dense, dense // local, shared)
+    node_sum = node = None
+    if shared:
+        node = SharedNode(flat, ctx, topology)
+        work = node.write()
+        shard = mine = node.shard  # in this rank's shared half: reduced there in place
+        node_sum = node.sum
+    elif topology.backend == "gloo":
+        shard = typed("two_level_shard", shard_numel)
+        mine = shard[: hi - lo]
         flat.mul_(1.0 / local)
         received = typed("two_level_receive", local * (hi - lo)).view(local, hi - lo)
         splits = [b - a for a, b in (shard_range(n, local, j) for j in range(local))]
@@ -106,6 +115,8 @@ def two_level_mean(
             torch.sum(received, dim=0, out=mine)
 
     else:
+        shard = typed("two_level_shard", shard_numel)
+        mine = shard[: hi - lo]
         if padded is flat:
             flat.mul_(1.0 / local)
         else:
@@ -154,8 +165,11 @@ def two_level_mean(
 
     def gather(stream) -> None:
         try:
-            with on_stream(stream):
-                work = all_gather_single(padded, shard, group=topology.gather, async_op=True)
+            if node is not None:
+                work = node.publish()
+            else:
+                with on_stream(stream):
+                    work = all_gather_single(padded, shard, group=topology.gather, async_op=True)
         except Exception as exc:  # noqa: BLE001
             fail(result, exc)
             return
@@ -164,7 +178,9 @@ def two_level_mean(
     def gathered(fut) -> None:
         try:
             fut.wait()
-            if padded is not flat:
+            if node is not None:
+                node.read()
+            elif padded is not flat:
                 flat.copy_(padded[:n])
             resolve(result, flat)
         except Exception as exc:  # noqa: BLE001
@@ -172,3 +188,70 @@ def two_level_mean(
 
     then(work.get_future(), landed)
     return result
+
+
+class SharedNode:
+    """Steps 1 and 3 inside a node through shared memory (``node_memory``), for CPU
+    tensors on gloo when the node's ranks share a host: the node mean of the same shard
+    as the all_to_all path, with two small gloo collectives as barriers.
+
+    ``write``: this rank's bucket, scaled by 1/L, into its segment's half for this call;
+    an all-gather of the segments' names (every rank's half is written once it lands).
+    ``sum``: the node mean of this rank's shard from every rank's half, in rank order
+    (fp32 accumulation for 16-bit), into ``shard``: the shard's place in this rank's own
+    half, which no peer reads until the last barrier, so the cross-node step reduces it
+    in place. ``publish``: that barrier, an 8-byte all_reduce on the gather group (every
+    shard is reduced once it lands). ``read``: every rank's shard into ``flat``.
+    """
+
+    __slots__ = ("flat", "ctx", "topology", "segment", "rows", "halves", "shard", "lo", "hi")
+
+    def __init__(self, flat, ctx, topology) -> None:
+        self.flat, self.ctx, self.topology = flat, ctx, topology
+        self.segment = ctx.segment("two_level_node", flat.numel() * flat.element_size())
+        self.rows = torch.empty(topology.local_size, 4, dtype=torch.int64)
+        self.halves: list[torch.Tensor] = []
+        self.lo, self.hi = shard_range(flat.numel(), topology.local_size, topology.local_rank)
+        self.shard = flat.new_empty(self.hi - self.lo)  # replaced by write(), if it can
+
+    def write(self) -> dist.Work:
+        half = self.segment.begin()
+        if half is not None:
+            half = half.view(self.flat.dtype)
+            torch.mul(self.flat, 1.0 / self.topology.local_size, out=half)
+            self.shard = half[self.lo : self.hi]
+        ident = self.segment.ident()
+        return all_gather_single(
+            self.rows.view(-1), ident, group=self.topology.intra, async_op=True
+        )
+
+    def sum(self) -> None:
+        t, dtype = self.topology, self.flat.dtype
+        node_memory.check_idents(
+            self.rows, [t.node * t.local_size + j for j in range(t.local_size)]
+        )
+        self.halves = [
+            self.segment.peer(j, row).view(dtype) for j, row in enumerate(self.rows.tolist())
+        ]
+        parts = [h[self.lo : self.hi] for h in self.halves]  # parts[local_rank] is shard
+        if dtype == torch.float32 and t.local_rank < 2:  # shard is read before written
+            acc = torch.add(parts[0], parts[1], out=self.shard)
+        else:
+            acc = self.ctx.buffer("two_level_acc", 4 * self.shard.numel(), "cpu")
+            acc = acc.view(torch.float32).copy_(parts[0]).add_(parts[1])  # added in float32
+        for p in parts[2:]:
+            acc.add_(p)
+        if acc is not self.shard:
+            self.shard.copy_(acc)
+
+    def publish(self) -> dist.Work:
+        return dist.all_reduce(
+            torch.zeros(1, dtype=torch.int64), group=self.topology.gather, async_op=True
+        )
+
+    def read(self) -> None:
+        t, n = self.topology, self.flat.numel()
+        for j, half in enumerate(self.halves):
+            lo, hi = shard_range(n, t.local_size, j)
+            self.flat[lo:hi].copy_(half[lo:hi])
+        self.segment.unlink()  # every peer mapped it before this call's last barrier

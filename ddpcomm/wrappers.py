@@ -434,6 +434,7 @@ def _run(jobs, compressor: Compressor, op, pg, step: int, tensors, async_op: boo
         local = None if topology is None else topology.local_size
         signature = (compressor, local, device, shapes)
         workspace = pool.checkout(signature, keep)
+        workspace.keep_segments = not async_op  # async calls may overlap (node_memory)
     issued = [
         (flat, write, _issue(flat, compressor, op, pg, step, key, topology, workspace))
         for key, (flat, write) in enumerate(jobs)

@@ -18,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import glob
 import io
+import itertools
 import json
 import math
 import os
@@ -32,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 import ddpcomm
-from ddpcomm import collectives, compressors, futures, groups, run, two_level
-from ddpcomm.context import ReduceContext, ResidualMemory, Stats
+from ddpcomm import collectives, compressors, futures, groups, node_memory, run, two_level
+from ddpcomm.context import ReduceContext, ResidualMemory, Stats, Workspace
 from tests.collective_utils import (
     N,
     assert_same_on_every_rank,
@@ -66,6 +68,7 @@ ERROR_FEEDBACK = {
 }
 # n < L (an empty shard), n = 0, one more than L (a short last shard), an odd bucket.
 UNEVEN = (0, 1, LOCAL + 1, N)
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _method(name: str, table=METHODS):
@@ -168,6 +171,7 @@ def check_method(rank: int, world: int, name: str) -> dict:
             assert bool((gap <= (nodes + 3) * U32 * scale[lo:hi][kept]).all())
     d = stats.as_dict()
     assert d["paths"]["two_level"] == 1 and d["intra_node_bytes"] > 0
+    assert d["intra_node_shared_bytes"] == d["intra_node_bytes"]  # one host: shared memory
     assert d["compression_ratio"] == d["cross_node_dense_bytes"] / d["cross_node_bytes"]
     rms = lambda t: float(((t.double() - exact) ** 2).mean().sqrt())  # noqa: E731
     return {"two_level": rms(two), "flat": rms(flat), "ratio": d["compression_ratio"]}
@@ -299,7 +303,7 @@ def assert_same_on(t: torch.Tensor, group) -> None:
 
 @contextlib.contextmanager
 def _environ(values: dict):
-    names = ("LOCAL_WORLD_SIZE", "LOCAL_RANK")
+    names = {"LOCAL_WORLD_SIZE", "LOCAL_RANK", *values}
     saved = {k: os.environ.pop(k, None) for k in names}
     os.environ.update(values)
     try:
@@ -333,6 +337,67 @@ def check_wrappers(rank: int, world: int) -> None:
     dist.all_reduce(plain)
     scale = torch.stack([rank_input(i, N) for i in range(world)]).abs().sum(0)
     assert bool(((t - plain).abs() <= 2 * (world + 2) * U32 * scale).all())
+
+
+def check_inside_paths(rank: int, world: int) -> None:
+    """Inside a node through shared memory (its ranks share this host) and through gloo's
+    sockets (DDPCOMM_NODE_SHM=0): equal results, identical on every rank, for fp32 and
+    bf16, empty and uneven shards, over three calls of each bucket (a segment's two halves
+    in turn, then the first again), a hook-like workspace and async calls in flight
+    together; no segment's name is left in /dev/shm."""
+    outs = {}
+    for env in ("1", "0"):
+        group = dist.new_group(list(range(world)))
+        with _environ({node_memory.ENV: env}):
+            topology = _topology(group=group)
+        assert topology.shared == (env == "1")
+        workspace, got = Workspace(), outs.setdefault(env, [])
+        for name, dtype, n in itertools.product(("none", "q4"), DTYPES, (1, LOCAL + 1, 1001)):
+            c = _method(name)
+            for step in range(3):
+                x = rank_input(rank, n, step).to(dtype)
+                ctx = ReduceContext(key=(name, dtype, n), step=step, workspace=workspace)
+                got.append(two_level.two_level_mean(x, c, ctx, topology).wait())
+                assert_same_on_every_rank(got[-1], world)
+                d = ctx.stats.as_dict()
+                shared = d["intra_node_shared_bytes"]
+                assert shared == (d["intra_node_bytes"] if topology.shared else 0), d
+        xs = [rank_input(rank, 5000, i) for i in range(3)]
+        handles = [
+            ddpcomm.all_reduce(x, "q8", group=group, hierarchy=LOCAL, async_op=True) for x in xs
+        ]
+        assert all(h.wait() for h in handles)
+        got += xs
+    assert all(torch.equal(a, b) for a, b in zip(outs["1"], outs["0"], strict=True))
+    dist.barrier()
+    assert not glob.glob(os.path.join(node_memory.DIRECTORY, f"ddpcomm-{os.getpid()}-*"))
+
+
+def check_shared_memory_full(rank: int, world: int) -> str:
+    """No room in /dev/shm on any rank: every rank raises a clear error (never a SIGBUS)."""
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    topology = _topology(group=dist.new_group(list(range(world))))
+    saved, os.posix_fallocate = os.posix_fallocate, full
+    try:
+        with pytest.raises(RuntimeError, match="could not reserve shared memory") as info:
+            _two_level(rank_input(rank, 100), compressors.parse("q8"), topology)
+    finally:
+        os.posix_fallocate = saved
+    return str(info.value)
+
+
+def check_bad_shm_setting(rank: int, world: int) -> str:
+    """DDPCOMM_NODE_SHM=yes on rank 1: a ValueError on every rank of its node, naming it
+    (after the node's collective, so nobody waits); the other node goes on."""
+    group = dist.new_group(list(range(world)))
+    with _environ({node_memory.ENV: "yes" if rank == 1 else "1"}):
+        try:
+            return str(_topology(group=group).shared)
+        except ValueError as exc:
+            return str(exc)
 
 
 # --------------------------------------------------------------------------------------
@@ -468,10 +533,13 @@ def plan(rank: int, world: int, device: str):
     for name in ("q4", "topk"):
         yield ("in_flight", name), p(check_in_flight, rank, world, name)
     yield ("auto",), p(check_auto, rank, world)
+    yield ("inside_paths",), p(check_inside_paths, rank, world)
+    yield ("shm_full",), p(check_shared_memory_full, rank, world)
     if world == 6:
         yield ("auto_subgroups",), p(check_auto_subgroups, rank, world)
         yield ("stream_rule",), p(_stream_rule, rank, world)
         return
+    yield ("bad_shm_setting",), p(check_bad_shm_setting, rank, world)
     yield ("wrappers",), p(check_wrappers, rank, world)
     yield ("bad_size",), p(check_bad_size, rank, world)
     yield ("parity",), p(check_parity, rank, world)
@@ -527,6 +595,33 @@ def test_error_feedback_invariant_with_shard_residuals(spawned, method, world):
 @pytest.mark.parametrize("method", ["q4", "topk"])
 def test_buckets_in_flight_pair_by_bucket(spawned, method, world):
     spawned.values(world, "cpu", "in_flight", method)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_shared_memory_and_sockets_inside_nodes_agree(spawned, world):
+    spawned.values(world, "cpu", "inside_paths")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_full_dev_shm_is_a_clear_error_on_every_rank(spawned, world):
+    for rank, message in enumerate(spawned.values(world, "cpu", "shm_full")):
+        node = rank // LOCAL * LOCAL
+        assert f"rank(s) {node}, {node + 1} could not reserve" in message, message
+        assert "DDPCOMM_NODE_SHM=0" in message
+
+
+def test_a_bad_shared_memory_setting_is_named_on_its_node(spawned):
+    got = spawned.values(4, "cpu", "bad_shm_setting")
+    for message in got[:2]:
+        assert "DDPCOMM_NODE_SHM must be 0 or 1 (unset: 1); rank(s) 1 have" in message
+    assert got[2:] == ["True", "True"]
+
+
+def test_a_rank_without_its_segment_is_named():
+    rows = torch.tensor([[10, 0, 1, 0], [11, 0, 0, 1], [12, 3, 1, 1]])
+    with pytest.raises(RuntimeError, match=r"rank\(s\) 7 could not reserve"):
+        node_memory.check_idents(rows, [6, 7, 8])
+    node_memory.check_idents(rows[[0, 2]], [6, 8])
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -642,7 +737,7 @@ def test_stats_split_the_bytes_across_nodes():
     }
     stats = state._stats
     dense = compressors.dense_bytes(1000, 4, 4)  # 6000
-    stats.record_two_level(2 * 1 * 500 * 4, dense, dense // 2)
+    stats.record_two_level(2 * 1 * 500 * 4, dense, dense // 2, True)
     stats.across().record("q_all_gather", 300, 2000)  # the shard's own dense is not counted
     stats.flat_over(2).record("plain", dense, dense)
     d = state.stats()
@@ -650,6 +745,7 @@ def test_stats_split_the_bytes_across_nodes():
     assert d["bytes_sent"] == 4000 + 300 + 6000 and d["dense_bytes"] == 2 * dense
     assert d["intra_node_bytes"] == 4000 + 3000 and d["cross_node_bytes"] == 300 + 3000
     assert d["cross_node_dense_bytes"] == 3000 + 3000
+    assert d["intra_node_shared_bytes"] == 4000  # through shared memory, of the 7000
     assert d["compression_ratio"] == 6000 / 3300
     line = ddpcomm.autohook.summary_line([state], "q4,hierarchy=2")
     assert "across nodes 0.00 MB vs 0.01 MB flat (1.82x less)" in line, line

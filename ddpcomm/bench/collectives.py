@@ -18,11 +18,11 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from ddpcomm import adaptive, groups, wrappers
+from ddpcomm import adaptive, groups, two_level, wrappers
 from ddpcomm.bench import _methods, _ranks
 from ddpcomm.bench._util import environment, finish, link_lines, short, table, wall
 from ddpcomm.compressors import Quantizer, RandomK, TopK
-from ddpcomm.context import LinkRate
+from ddpcomm.context import LinkRate, ReduceContext, Workspace
 from ddpcomm.groups import all_gather_single
 
 DESCRIPTION = """\
@@ -411,7 +411,7 @@ def _per_call(now: dict, then: dict, calls: int) -> dict:
     out["paths"] = {k: v for k, v in out["paths"].items() if v}
     out["measured_bytes"] = (now["bytes_sent"] - then["bytes_sent"]) / calls
     out["compress_s"] = (now["compress_seconds"] - then["compress_seconds"]) / calls
-    for key in ("intra_node_bytes", "cross_node_bytes"):
+    for key in ("intra_node_bytes", "intra_node_shared_bytes", "cross_node_bytes"):
         if key in now:
             out[key] = (now[key] - then.get(key, 0)) / calls
     return out
@@ -518,6 +518,17 @@ def _two_level(kind: str, cross_bytes: float, numel: int, local: int, device):
     flat = torch.zeros(shard * local, device=device)
     received, mine = torch.empty_like(flat), torch.zeros(shard, device=device)
     cross = _plain(kind, cross_bytes, topo.cross, device)
+    if topo.shared and flat.device.type == "cpu":  # inside nodes through shared memory
+        node = two_level.SharedNode(flat, ReduceContext(workspace=Workspace()), topo)
+        steps = (
+            lambda: (node.write().wait(), node.sum()),
+            lambda: (node.publish().wait(), node.read()),
+        )
+    else:
+        steps = (
+            lambda: dist.all_to_all_single(received, flat, group=topo.intra),
+            lambda: all_gather_single(flat, mine, group=topo.gather),
+        )
 
     def step(fn) -> float:
         _, seconds = wall(fn, device)
@@ -525,9 +536,9 @@ def _two_level(kind: str, cross_bytes: float, numel: int, local: int, device):
         return seconds
 
     def run():
-        inside = step(lambda: dist.all_to_all_single(received, flat, group=topo.intra))
+        inside = step(steps[0])
         across = step(cross)
-        inside += step(lambda: all_gather_single(flat, mine, group=topo.gather))
+        inside += step(steps[1])
         run.steps.append((inside, across))
 
     run.steps = []
