@@ -21,17 +21,23 @@ writes the half its peers may still be reading from the call before (a bucket's 
 reduction starts only after its previous one finished on this rank, and a peer reaches
 the current call's barrier only after finishing the previous one). Per rank that is
 2x the bytes of its buckets, in ``/dev/shm``, reserved when the segment is made
-(``posix_fallocate``: a full ``/dev/shm`` is a clear error, never a SIGBUS later). The
-file is unlinked once the peers have mapped it (after the segment's first call), so
-nothing is left in ``/dev/shm`` by a process that dies later.
+(``posix_fallocate``: a full ``/dev/shm`` is a clear error, never a SIGBUS later). A
+segment's file (``/dev/shm/ddpcomm-<pid>-<n>``) lives as long as the segment, so that a
+peer can map it at any call that names it (a peer that made a new segment for a call
+maps the others' again). It is removed when the segment is dropped or the interpreter
+exits; a process that ends without clean-up (killed, or a ``multiprocessing`` worker,
+which leaves through ``os._exit``) leaves it, unlocked, and the next process to make a
+segment on the host removes every such file (``sweep``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
 import os
 import socket
+import time
 import weakref
 
 import torch
@@ -100,16 +106,17 @@ class Segment:
         self.data: torch.Tensor | None = None
         self.uses = 0
         self.peers: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
+        if not _swept:
+            _swept.append(sweep())
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            weakref.finalize(self, _unlink, self.path)
-            try:
-                os.posix_fallocate(fd, 0, 2 * nbytes)
-            finally:
-                os.close(fd)
+            weakref.finalize(self, _remove, self.path, fd)
+            # The lock says the file is in use; the kernel drops it when this process
+            # ends, however it ends, and sweep() then removes the file.
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.posix_fallocate(fd, 0, 2 * nbytes)
             self.data = torch.from_file(self.path, shared=True, size=2 * nbytes, dtype=torch.uint8)
         except OSError as exc:
-            _unlink(self.path)
             self.error = f"{2 * nbytes} bytes in {DIRECTORY}: {exc.strerror or exc}"
 
     def numel(self) -> int:
@@ -141,16 +148,45 @@ class Segment:
     def _half(self, data: torch.Tensor, h: int) -> torch.Tensor:
         return data[h * self.nbytes : (h + 1) * self.nbytes]
 
-    def unlink(self) -> None:
-        """Once every peer has mapped it: the name goes, the memory stays mapped."""
-        _unlink(self.path)
 
-
-def _unlink(path: str) -> None:
+def _remove(path: str, fd: int) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    os.close(fd)
+
+
+_swept: list[int] = []  # whether this process swept /dev/shm (at its first segment)
+
+# A file younger than this is never swept: its maker may not have locked it yet.
+SWEEP_AGE_S = 60.0
+
+
+def sweep() -> int:
+    """Removes the segment files in /dev/shm whose process has ended (no lock held on
+    them: a process killed, or one that left through ``os._exit`` as
+    ``multiprocessing`` workers do, runs no clean-up). Returns how many it removed."""
+    removed = 0
+    for name in os.listdir(DIRECTORY):
+        if not name.startswith("ddpcomm-"):
+            continue
+        path = os.path.join(DIRECTORY, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if time.time() - os.fstat(fd).st_mtime < SWEEP_AGE_S:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: BlockingIOError
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 def check_idents(rows: torch.Tensor, node_ranks: list[int]) -> None:

@@ -254,4 +254,3 @@ class SharedNode:
         for j, half in enumerate(self.halves):
             lo, hi = shard_range(n, t.local_size, j)
             self.flat[lo:hi].copy_(half[lo:hi])
-        self.segment.unlink()  # every peer mapped it before this call's last barrier

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import glob
 import io
 import itertools
@@ -28,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -343,8 +345,10 @@ def check_inside_paths(rank: int, world: int) -> None:
     """Inside a node through shared memory (its ranks share this host) and through gloo's
     sockets (DDPCOMM_NODE_SHM=0): equal results, identical on every rank, for fp32 and
     bf16, empty and uneven shards, over three calls of each bucket (a segment's two halves
-    in turn, then the first again), a hook-like workspace and async calls in flight
-    together; no segment's name is left in /dev/shm."""
+    in turn, then the first again), a hook-like workspace, a rank that starts over with
+    new segments, and async calls in flight together; no file is left in /dev/shm."""
+    mine = os.path.join(node_memory.DIRECTORY, f"ddpcomm-{os.getpid()}-*")
+    before = set(glob.glob(mine))
     outs = {}
     for env in ("1", "0"):
         group = dist.new_group(list(range(world)))
@@ -362,6 +366,13 @@ def check_inside_paths(rank: int, world: int) -> None:
                 d = ctx.stats.as_dict()
                 shared = d["intra_node_shared_bytes"]
                 assert shared == (d["intra_node_bytes"] if topology.shared else 0), d
+        # Rank 0 starts over with new segments while the others keep theirs (as a pool
+        # that found its buffers taken would): it maps theirs again.
+        x = rank_input(rank, 1001, 9)
+        for fresh in (False, rank == 0):
+            ctx = ReduceContext(key="again", workspace=Workspace() if fresh else workspace)
+            got.append(two_level.two_level_mean(x.clone(), _method("q4"), ctx, topology).wait())
+        assert torch.equal(got[-1], got[-2])
         xs = [rank_input(rank, 5000, i) for i in range(3)]
         handles = [
             ddpcomm.all_reduce(x, "q8", group=group, hierarchy=LOCAL, async_op=True) for x in xs
@@ -369,8 +380,9 @@ def check_inside_paths(rank: int, world: int) -> None:
         assert all(h.wait() for h in handles)
         got += xs
     assert all(torch.equal(a, b) for a, b in zip(outs["1"], outs["0"], strict=True))
-    dist.barrier()
-    assert not glob.glob(os.path.join(node_memory.DIRECTORY, f"ddpcomm-{os.getpid()}-*"))
+    del workspace, ctx, handles
+    gc.collect()
+    assert set(glob.glob(mine)) <= before  # a dropped segment takes its file with it
 
 
 def check_shared_memory_full(rank: int, world: int) -> str:
@@ -615,6 +627,33 @@ def test_a_bad_shared_memory_setting_is_named_on_its_node(spawned):
     for message in got[:2]:
         assert "DDPCOMM_NODE_SHM must be 0 or 1 (unset: 1); rank(s) 1 have" in message
     assert got[2:] == ["True", "True"]
+
+
+def test_sweep_removes_only_the_files_of_ended_processes(monkeypatch, tmp_path):
+    # Files of ended processes (no lock) go; a file in use (this process's segment, its
+    # lock held) stays, and so does one too young to have been locked yet.
+    monkeypatch.setattr(node_memory, "DIRECTORY", str(tmp_path))
+    monkeypatch.setattr(node_memory, "_swept", [0])  # the first segment's own sweep: done
+    old = time.time() - 2 * node_memory.SWEEP_AGE_S
+    for name in ("ddpcomm-1-0", "ddpcomm-1-1", "ddpcomm-2-5", "other"):
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, (old, old))
+    (tmp_path / "ddpcomm-3-0").write_bytes(b"x")  # young
+    segment = node_memory.Segment(64)
+    os.utime(segment.path, (old, old))
+    assert node_memory.sweep() == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["other", "ddpcomm-3-0", os.path.basename(segment.path)]
+    )
+    del segment
+    gc.collect()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ddpcomm-3-0", "other"]
+    # A process's first segment sweeps.
+    (tmp_path / "ddpcomm-4-0").write_bytes(b"x")
+    os.utime(tmp_path / "ddpcomm-4-0", (old, old))
+    monkeypatch.setattr(node_memory, "_swept", [])
+    segment = node_memory.Segment(64)
+    assert not (tmp_path / "ddpcomm-4-0").exists() and node_memory._swept == [1]
 
 
 def test_a_rank_without_its_segment_is_named():
