@@ -652,7 +652,7 @@ def test_sweep_removes_only_the_files_of_ended_processes(monkeypatch, tmp_path):
     (tmp_path / "ddpcomm-4-0").write_bytes(b"x")
     os.utime(tmp_path / "ddpcomm-4-0", (old, old))
     monkeypatch.setattr(node_memory, "_swept", [])
-    segment = node_memory.Segment(64)
+    assert node_memory.Segment(64).error is None
     assert not (tmp_path / "ddpcomm-4-0").exists() and node_memory._swept == [1]
 
 
