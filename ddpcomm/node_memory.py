@@ -22,7 +22,7 @@ reduction starts only after its previous one finished on this rank, and a peer r
 the current call's barrier only after finishing the previous one). Per rank that is
 2x the bytes of its buckets, in ``/dev/shm``, reserved when the segment is made
 (``posix_fallocate``: a full ``/dev/shm`` is a clear error, never a SIGBUS later). A
-segment's file (``/dev/shm/ddpcomm-<pid>-<n>``) lives as long as the segment, so that a
+segment's file (``/dev/shm/ddpcomm-<process key>-<n>``) lives as long as the segment, so that a
 peer can map it at any call that names it (a peer that made a new segment for a call
 maps the others' again). It is removed when the segment is dropped or the interpreter
 exits; a process that ends without clean-up (killed, or a ``multiprocessing`` worker,
@@ -47,6 +47,19 @@ ENV = "DDPCOMM_NODE_SHM"
 DIRECTORY = "/dev/shm"
 
 _ids = itertools.count()
+_owner = [0, 0]  # (pid, key) of this process
+
+
+def owner() -> int:
+    """This process's 62-bit random key, which names its segments (``ddpcomm-<key>-<n>``):
+    unlike a pid, unique across the pid namespaces that may share a /dev/shm."""
+    if _owner[0] != os.getpid():  # a forked child gets its own
+        _owner[:] = [os.getpid(), int.from_bytes(os.urandom(8), "little") >> 2]
+    return _owner[1]
+
+
+def _path(key: int, seg: int) -> str:
+    return os.path.join(DIRECTORY, f"ddpcomm-{key:x}-{seg}")
 
 
 def setting() -> int:
@@ -91,9 +104,9 @@ class Segment:
     """This rank's shared buffer for one bucket, and its mappings of its node peers'.
 
     ``begin()`` starts a call and returns the uint8 half it writes (the two halves in
-    turn); ``ident()`` is the row the call sends its peers in its first barrier: pid,
-    segment number, whether the segment could be made, the half written; ``peer(j, row)``
-    is the half rank j wrote, read from its segment.
+    turn); ``ident()`` is the row the call sends its peers in its first barrier: its
+    process's key, segment number, whether the segment could be made, the half written;
+    ``peer(j, row)`` is the half rank j wrote, read from its segment.
     """
 
     __slots__ = ("nbytes", "id", "path", "error", "data", "uses", "peers", "__weakref__")
@@ -101,11 +114,11 @@ class Segment:
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes  # per half
         self.id = next(_ids)
-        self.path = os.path.join(DIRECTORY, f"ddpcomm-{os.getpid()}-{self.id}")
+        self.path = _path(owner(), self.id)
         self.error: str | None = None
         self.data: torch.Tensor | None = None
         self.uses = 0
-        self.peers: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
+        self.peers: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}  # j -> (key, seg), data
         if not _swept:
             _swept.append(sweep())
         try:
@@ -130,19 +143,20 @@ class Segment:
 
     def ident(self) -> torch.Tensor:
         made = int(self.error is None)
-        return torch.tensor([os.getpid(), self.id, made, self.uses % 2], dtype=torch.int64)
+        return torch.tensor([owner(), self.id, made, self.uses % 2], dtype=torch.int64)
 
     def peer(self, j: int, row: list[int]) -> torch.Tensor:
         """The half rank j wrote, from its ``ident()`` row; its segment is mapped at the
         first call that names it."""
-        pid, seg, _, half = row
-        if (pid, seg) == (os.getpid(), self.id):
+        key, seg, _, half = row
+        if (key, seg) == (owner(), self.id):
             return self._half(self.data, half)
         known = self.peers.get(j)
-        if known is None or known[0] != (pid, seg):
-            path = os.path.join(DIRECTORY, f"ddpcomm-{pid}-{seg}")
-            data = torch.from_file(path, shared=True, size=2 * self.nbytes, dtype=torch.uint8)
-            known = self.peers[j] = ((pid, seg), data)
+        if known is None or known[0] != (key, seg):
+            data = torch.from_file(
+                _path(key, seg), shared=True, size=2 * self.nbytes, dtype=torch.uint8
+            )
+            known = self.peers[j] = ((key, seg), data)
         return self._half(known[1], half)
 
     def _half(self, data: torch.Tensor, h: int) -> torch.Tensor:

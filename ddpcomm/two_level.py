@@ -61,6 +61,10 @@ def two_level_mean(
        per rank between nodes.
     3. Inside the node: all-gather of the shards into ``flat``.
 
+    On gloo with CPU tensors, where the node's ranks share a host (``topology.shared``),
+    steps 1 and 3 go through shared memory instead (``SharedNode``), with the same node
+    mean and result.
+
     ``flat`` is overwritten: the Future's value is ``flat`` holding the mean, in its
     dtype, bitwise identical on every rank (each shard is one cross group's result,
     identical on its ranks, and every rank of a node gathers all of them).
@@ -212,11 +216,13 @@ class SharedNode:
         self.rows = torch.empty(topology.local_size, 4, dtype=torch.int64)
         self.halves: list[torch.Tensor] = []
         self.lo, self.hi = shard_range(flat.numel(), topology.local_size, topology.local_rank)
-        self.shard = flat.new_empty(self.hi - self.lo)  # replaced by write(), if it can
+        self.shard: torch.Tensor | None = None  # write() places it
 
     def write(self) -> dist.Work:
         half = self.segment.begin()
-        if half is not None:
+        if half is None:  # no segment: sum() raises on every rank of the node
+            self.shard = self.flat.new_empty(self.hi - self.lo)
+        else:
             half = half.view(self.flat.dtype)
             torch.mul(self.flat, 1.0 / self.topology.local_size, out=half)
             self.shard = half[self.lo : self.hi]
@@ -227,9 +233,8 @@ class SharedNode:
 
     def sum(self) -> None:
         t, dtype = self.topology, self.flat.dtype
-        node_memory.check_idents(
-            self.rows, [t.node * t.local_size + j for j in range(t.local_size)]
-        )
+        node = [dist.get_global_rank(t.intra, j) for j in range(t.local_size)]
+        node_memory.check_idents(self.rows, node)
         self.halves = [
             self.segment.peer(j, row).view(dtype) for j, row in enumerate(self.rows.tolist())
         ]

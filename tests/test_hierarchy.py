@@ -347,7 +347,7 @@ def check_inside_paths(rank: int, world: int) -> None:
     bf16, empty and uneven shards, over three calls of each bucket (a segment's two halves
     in turn, then the first again), a hook-like workspace, a rank that starts over with
     new segments, and async calls in flight together; no file is left in /dev/shm."""
-    mine = os.path.join(node_memory.DIRECTORY, f"ddpcomm-{os.getpid()}-*")
+    mine = os.path.join(node_memory.DIRECTORY, f"ddpcomm-{node_memory.owner():x}-*")
     before = set(glob.glob(mine))
     outs = {}
     for env in ("1", "0"):
