@@ -286,6 +286,10 @@ def test_train_quick(cwd, tmp_path):
         assert len(r["loss"]) == 12 and all(0 < x < 10 for x in r["loss"])
         assert 0 < r["eval_loss"] < 10 and r["bytes_per_step"] > 0
     assert q8["compress_s_per_step"] >= 0 and q8["max_param_diff"] > 0
+    # Where its weights ended, against DDP's, by parameter kind.
+    kinds = {"token embedding", "position embedding", "attention", "mlp", "layer norm", "head"}
+    assert set(q8["drift"]) == kinds and all(0 < d < 1 for d in q8["drift"].values())
+    assert "drift" not in ddp
 
 
 def test_train_accumulation_and_scheduled_spec(cwd, tmp_path):

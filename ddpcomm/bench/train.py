@@ -10,6 +10,7 @@ step, as it does for large models on 1-10 Gbit/s links.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import math
@@ -250,6 +251,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
     cfg = GPTConfig(**case["model"])
     torch.manual_seed(case["seed"])  # the same initial weights on every rank and method
     model = GPT(cfg).to(device)
+    init = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     counter, state = [0], None
     net = model  # nocomm: each rank trains its own copy
     if method != "nocomm":
@@ -332,11 +334,33 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         dist.all_gather(probes, probe)
         result["replicas_identical"] = all(torch.equal(p, probes[0]) for p in probes)
         baseline = os.path.join(common["workdir"], f"ddp_params_rank{rank}.pt")
+        named = {n: p.detach().cpu() for n, p in model.named_parameters()}
         if method == "ddp":
-            torch.save(flat, baseline)
+            torch.save((flat, named), baseline)
         elif os.path.exists(baseline):
-            result["max_param_diff"] = (flat - torch.load(baseline)).abs().max().item()
+            ddp_flat, ddp_named = torch.load(baseline)
+            result["max_param_diff"] = (flat - ddp_flat).abs().max().item()
+            result["drift"] = drift(named, ddp_named, init)
     return result
+
+
+def _kind(name: str) -> str:
+    """The bench GPT's parameter kinds: embeddings, attention, MLP, layer norms, head."""
+    part = name.split(".")[-2]
+    kinds = {"tok": "token embedding", "pos": "position embedding", "qkv": "attention"}
+    kinds.update(proj="attention", fc="mlp", out="mlp")
+    return kinds.get(part, "layer norm" if part.startswith("ln") else part)
+
+
+def drift(params: dict, ddp: dict, init: dict) -> dict:
+    """Per parameter kind, how far a run's weights ended from DDP's, relative to how far
+    DDP's moved from the common start: ||w - w_ddp|| / ||w_ddp - w_0|| over the kind."""
+    num, den = collections.Counter(), collections.Counter()
+    for n, w in params.items():
+        k = _kind(n)
+        num[k] += float((w.double() - ddp[n].double()).square().sum())
+        den[k] += float((ddp[n].double() - init[n].double()).square().sum())
+    return {k: math.sqrt(num[k] / den[k]) if den[k] else math.nan for k in num}
 
 
 def report(result: dict, markdown: bool = False) -> str:
@@ -380,6 +404,7 @@ def report(result: dict, markdown: bool = False) -> str:
         )
     lines += ["", table(headers, body, markdown), ""]
     lines += _eval_table(rows, base, markdown)
+    lines += _drift_table(rows, markdown)
     lines += [f"{r['method']}: {_legend(r['method'])}{_decided(r)}" for r in rows]
     lines += [
         "MB/step: ddpcomm's own count (state.stats()); DDP and torch's hooks by their wire "
@@ -411,6 +436,17 @@ def _eval_table(rows: list[dict], base: dict | None, markdown: bool) -> list[str
         for r in ok
     ]
     return [table(headers, body, markdown), ""]
+
+
+def _drift_table(rows: list[dict], markdown: bool) -> list[str]:
+    """Where each method's weights ended away from DDP's, by parameter kind (``drift``)."""
+    ok = [r for r in rows if r["status"] == "ok" and "drift" in r]
+    if not ok:
+        return []
+    kinds = sorted(ok[0]["drift"])
+    body = [[r["method"], *[f"{r['drift'].get(k, math.nan):.2f}" for k in kinds]] for r in ok]
+    note = "distance from DDP's final weights over DDP's own distance from the start:"
+    return [note, "", table(["method", *kinds], body, markdown), ""]
 
 
 def gaps_by_seed(results: list[dict], markdown: bool = False) -> str:
