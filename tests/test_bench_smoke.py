@@ -279,7 +279,8 @@ def test_train_quick_on_text(cwd, tmp_path):
 
 def test_train_quick(cwd, tmp_path):
     out = tmp_path / "t.json"
-    bench(cwd, "train", "--quick", "--methods", "ddp,q8", "--out", str(out))
+    argv = ["--quick", "--methods", "ddp,q8", "--probe-every", "5", "--out", str(out)]
+    bench(cwd, "train", *argv)
     ddp, q8 = json.loads(out.read_text())["rows"]
     for r in (ddp, q8):
         assert r["status"] == "ok" and r["replicas_identical"], r
@@ -290,6 +291,13 @@ def test_train_quick(cwd, tmp_path):
     kinds = {"token embedding", "position embedding", "attention", "mlp", "layer norm", "head"}
     assert set(q8["drift"]) == kinds and all(0 < d < 1 for d in q8["drift"].values())
     assert "drift" not in ddp
+    # --probe-every 5: steps 0, 5, 10; q8's mean against the exact one, by kind.
+    assert q8["probe"]["steps"] == [0, 5, 10] and "probe" not in ddp
+    for half in ("first_half", "second_half"):
+        assert set(q8["probe"][half]) == kinds
+        # Small layer-norm gradients share blocks with larger ones: coarser relative steps.
+        assert all(0 < e < 0.5 for e in q8["probe"][half].values()), q8["probe"]
+        assert q8["probe"][half]["mlp"] < 0.05, q8["probe"]
 
 
 def test_train_accumulation_and_scheduled_spec(cwd, tmp_path):

@@ -113,6 +113,15 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of weights and data (default 0)")
     p.add_argument(
+        "--probe-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every N steps, compare each bucket's reduced gradient with the exact mean "
+        "(one more plain all_reduce) and report the relative error by parameter kind, "
+        "over the first and the second half of training (default 0: off)",
+    )
+    p.add_argument(
         "--data",
         choices=("markov", "text"),
         default="markov",
@@ -174,6 +183,7 @@ def run(args, command: str = "train") -> int:
             "accum",
             "lr_decay",
             "data",
+            "probe_every",
         )
     }
     cases = [
@@ -253,6 +263,8 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
     model = GPT(cfg).to(device)
     init = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     counter, state = [0], None
+    # --probe-every's records (hooked: the method's hook compares with the exact mean)
+    probe = {"on": False, "hooked": False, "steps": [], "err": [], "ref": []}
     net = model  # nocomm: each rank trains its own copy
     if method != "nocomm":
         net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -260,6 +272,8 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         hook, state, _ = _methods.make_hook(method, dist.group.WORLD)
         if not hasattr(state, "stats"):
             hook = _counting(hook, method, world, counter)
+        if case.get("probe_every"):
+            hook, probe["hooked"] = _probing(hook, model, probe), True
         net.register_comm_hook(state, hook)
     opt = torch.optim.AdamW(model.parameters(), lr=case["lr"], betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -296,6 +310,12 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
             lang.batch(case["batch"], cfg.seq, seed=((i * accum + j) * 1000 + rank) * 7919 + 17)
             for j in range(accum)
         ]
+        every = case.get("probe_every") or 0
+        probe["on"] = every > 0 and i % every == 0
+        if probe["on"]:
+            probe["steps"].append(i)
+            probe["err"].append(collections.Counter())
+            probe["ref"].append(collections.Counter())
         loss, seconds = wall(lambda b=batches: step(b), device)
         log.add(i, loss, seconds)
         if i + 1 in scored:
@@ -327,6 +347,8 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         result.update({k: st[k] for k in ("adaptive", "hierarchy") if k in st})
     elif method == "ddp":
         result["bytes_per_step"] = _methods.formula_bytes("ddp", [(result["params"],)], world)
+    if probe["hooked"]:
+        result["probe"] = _probe_result(probe)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     if method != "nocomm":  # replicas must stay identical under every DDP method
         probe = torch.stack([flat.double().sum(), flat.double().square().sum()]).to(device)
@@ -342,6 +364,50 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
             result["max_param_diff"] = (flat - ddp_flat).abs().max().item()
             result["drift"] = drift(named, ddp_named, init)
     return result
+
+
+def _probing(hook, model, probe: dict):
+    """``hook``, which at probe steps also all-reduces a copy of the bucket plainly and
+    adds, per parameter kind, the squared error of the method's mean against the exact
+    one and the exact one's square to the step's records."""
+    names = {p: n for n, p in model.named_parameters()}
+
+    @functools.wraps(hook)
+    def wrapper(state, bucket):
+        if not probe["on"]:
+            return hook(state, bucket)
+        exact = bucket.buffer().clone()
+        dist.all_reduce(exact)
+        exact /= dist.get_world_size()
+        err, ref = probe["err"][-1], probe["ref"][-1]
+
+        def compare(fut):
+            got, start = fut.value()[0] if isinstance(fut.value(), list) else fut.value(), 0
+            for p in bucket.parameters():
+                k, n = _kind(names[p]), p.numel()
+                e = exact[start : start + n].double()
+                err[k] += float((got[start : start + n].double() - e).square().sum())
+                ref[k] += float(e.square().sum())
+                start += n
+            return fut.value()
+
+        return hook(state, bucket).then(compare)
+
+    return wrapper
+
+
+def _probe_result(probe: dict) -> dict:
+    """Relative error of the reduced gradient by parameter kind, pooled over the probes
+    of the first and of the second half of the run."""
+    half = len(probe["steps"]) // 2
+    out = {"steps": probe["steps"]}
+    for name, part in (("first_half", slice(0, half)), ("second_half", slice(half, None))):
+        err, ref = collections.Counter(), collections.Counter()
+        for e, r in zip(probe["err"][part], probe["ref"][part], strict=True):
+            err.update(e)
+            ref.update(r)
+        out[name] = {k: math.sqrt(err[k] / ref[k]) if ref[k] else math.nan for k in ref}
+    return out
 
 
 def _kind(name: str) -> str:
@@ -405,6 +471,7 @@ def report(result: dict, markdown: bool = False) -> str:
     lines += ["", table(headers, body, markdown), ""]
     lines += _eval_table(rows, base, markdown)
     lines += _drift_table(rows, markdown)
+    lines += _probe_table(rows, markdown)
     lines += [f"{r['method']}: {_legend(r['method'])}{_decided(r)}" for r in rows]
     lines += [
         "MB/step: ddpcomm's own count (state.stats()); DDP and torch's hooks by their wire "
@@ -446,6 +513,24 @@ def _drift_table(rows: list[dict], markdown: bool) -> list[str]:
     kinds = sorted(ok[0]["drift"])
     body = [[r["method"], *[f"{r['drift'].get(k, math.nan):.2f}" for k in kinds]] for r in ok]
     note = "distance from DDP's final weights over DDP's own distance from the start:"
+    return [note, "", table(["method", *kinds], body, markdown), ""]
+
+
+def _probe_table(rows: list[dict], markdown: bool) -> list[str]:
+    """--probe-every: the reduced gradient's relative error by parameter kind."""
+    ok = [r for r in rows if r["status"] == "ok" and "probe" in r]
+    if not ok:
+        return []
+    kinds = sorted(ok[0]["probe"]["second_half"])
+    body = [
+        [
+            f"{r['method']} ({half.replace('_', ' ')})",
+            *[f"{r['probe'][half][k]:.3f}" for k in kinds],
+        ]
+        for r in ok
+        for half in ("first_half", "second_half")
+    ]
+    note = "reduced gradient against the exact mean, ||error|| / ||mean||, by parameter kind:"
     return [note, "", table(["method", *kinds], body, markdown), ""]
 
 
