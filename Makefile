@@ -150,6 +150,9 @@ bench-nodes: all
 	$(PY) -m ddpcomm.bench collectives $(NODES) --link 10gbit --sizes 64 --iters 9 --out benchmarks/results/nodes/collectives_10gbit.json
 	$(PY) -m ddpcomm.bench train $(NODES) --link 1gbit --steps 60 --methods nocomm,ddp,q8,q8,hierarchy=2,q4,q4,hierarchy=2 --out benchmarks/results/nodes/train_1gbit.json
 
+# Joins one run per seed into a study file: $(STUDY) NAME OUT RUN.json ...
+STUDY = $(PY) -c 'import json, sys; json.dump({"command": "train", "study": sys.argv[1], "runs": [json.load(open(p)) for p in sys.argv[3:]]}, open(sys.argv[2], "w"))'
+
 # Low-bit fidelity: each method at its defaults (schedules written out, so that rows keep
 # their meaning when a default changes) and without its schedule, on the 600-step AdamW +
 # gradient-accumulation GPT (loopback: losses do not depend on the link), seeds 0-3, on
@@ -163,6 +166,20 @@ bench-fidelity: all
 	mkdir -p bench-out/fidelity
 	set -e; for d in $(FIDELITY_DATA); do c=$${d%%:*}; for s in 0 1 2 3; do \
 	  $(PY) -m ddpcomm.bench train --data $$c $${d#*:} --seed $$s --methods $(FIDELITY_METHODS) $(FIDELITY_MODEL) --out bench-out/fidelity/$$c-$$s.json; done; \
-	  $(PY) -c 'import json, sys; json.dump({"command": "train", "study": "fidelity_" + sys.argv[1], "runs": [json.load(open(p)) for p in sys.argv[2:]]}, open(sys.argv[1].join(("benchmarks/results/fidelity/", ".json")), "w"))' $$c bench-out/fidelity/$$c-?.json; done
+	  $(STUDY) fidelity_$$c benchmarks/results/fidelity/$$c.json bench-out/fidelity/$$c-?.json; done
 	$(PY) benchmarks/tables.py benchmarks/results/fidelity/markov.json benchmarks/results/fidelity/text.json
+	$(PY) benchmarks/plots.py
+
+# Steady state: where q1 and top-k lose accuracy with AdamW once past their warm-up. The
+# fidelity GPT on English text for 1200 steps, seeds 0-1: each method's gap and how far
+# each parameter kind's weights end from DDP's; then one run that compares each bucket's
+# reduced gradient with the exact mean every 50 steps, by parameter kind.
+STEADY_METHODS = ddp,q8,q4,q1,start_iter=100,ramp=200,topk:0.01,start_iter=200,ramp=200,q1,start_iter=0,ramp=0
+STEADY_MODEL = --data text --eval-batch=256 --steps 1200 --d-model 128 --heads 4 --batch 2 --accum 4 --lr-decay cosine --lr 2e-3 --timeout 1800
+.PHONY: bench-steady
+bench-steady: all
+	mkdir -p bench-out/steady benchmarks/results/steady_state
+	set -e; for s in 0 1; do $(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed $$s --methods $(STEADY_METHODS) --out bench-out/steady/text-$$s.json; done
+	$(STUDY) steady_text benchmarks/results/steady_state/text_1200.json bench-out/steady/text-?.json
+	$(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed 0 --probe-every 50 --methods ddp,q8,q1,start_iter=100,ramp=200,topk:0.01,start_iter=200,ramp=200 --out benchmarks/results/steady_state/probe.json
 	$(PY) benchmarks/plots.py

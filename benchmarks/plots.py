@@ -4,7 +4,9 @@
   all_reduce of one 64 MiB bucket on a 1 Gbit/s link, a 10 Gbit/s link and loopback;
 - ``results/train/1gbit.png``: bytes on the wire and time per DDP training step;
 - ``results/fidelity/loss.png``: each method's training loss against DDP's at seed 0 of
-  both corpora, at its defaults and without its schedule.
+  both corpora, at its defaults and without its schedule;
+- ``results/steady_state/by_kind.png``: the reduced gradient's error and the final
+  weights' distance from DDP's, by parameter kind, over 1200 steps.
 
     python benchmarks/plots.py
 """
@@ -102,6 +104,39 @@ def fidelity_loss() -> None:
     _save(fig, "fidelity/loss.png")
 
 
+def steady_state() -> None:
+    """Where the high-ratio methods lose accuracy at steady state: the reduced gradient's
+    relative error by parameter kind (second half of the run), and how far each kind's
+    weights end from DDP's (mean over seeds)."""
+    probe = [r for r in load("steady_state/probe.json")["rows"] if "probe" in r]
+    runs = load("steady_state/text_1200.json")["runs"]
+    kinds = sorted(probe[0]["probe"]["second_half"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
+    width = 0.8 / len(probe)
+    for j, r in enumerate(probe):
+        xs = [i + j * width for i in range(len(kinds))]
+        ys = [r["probe"]["second_half"][k] for k in kinds]
+        axes[0].bar(xs, ys, width, label=r["method"], color=COLORS[r["method"].split(",")[0]])
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("||reduced - exact mean|| / ||exact mean||")
+    axes[0].set_title("gradient error by kind, steps 600-1199")
+    drifted = [r["method"] for r in runs[0]["rows"] if "drift" in r]
+    width = 0.8 / len(drifted)
+    for j, method in enumerate(drifted):
+        rows = [next(r for r in run["rows"] if r["method"] == method) for run in runs]
+        ys = [statistics.fmean(r["drift"][k] for r in rows) for k in kinds]
+        xs = [i + j * width for i in range(len(kinds))]
+        color = COLORS[method.split(",")[0]]
+        bare = "start_iter=0" in method
+        axes[1].bar(xs, ys, width, label=method, color=color, alpha=0.5 if bare else 1.0)
+    axes[1].set_ylabel("||w - w_DDP|| / ||w_DDP - w_0||")
+    axes[1].set_title(f"final weights against DDP's, mean of {len(runs)} seeds")
+    for ax in axes:
+        ax.set_xticks([i + 0.4 for i in range(len(kinds))], kinds, rotation=30, fontsize=8)
+        ax.legend(fontsize=7)
+    _save(fig, "steady_state/by_kind.png")
+
+
 def _smooth(xs: list[float], n: int = 25) -> list[float]:
     """The mean of the last ``n`` values at each step (fewer at the start)."""
     return [statistics.fmean(xs[max(0, i - n + 1) : i + 1]) for i in range(len(xs))]
@@ -118,3 +153,4 @@ if __name__ == "__main__":
     speedup_vs_link()
     train_steps()
     fidelity_loss()
+    steady_state()
