@@ -33,6 +33,7 @@ from ddpcomm.bench._util import (
     table,
     wall,
 )
+from ddpcomm.futures import then
 
 DESCRIPTION = """\
 Trains the same small GPT from the same initial weights on the same batches with each
@@ -391,7 +392,7 @@ def _probing(hook, model, probe: dict):
                 start += n
             return fut.value()
 
-        return hook(state, bucket).then(compare)
+        return then(hook(state, bucket), compare)
 
     return wrapper
 
