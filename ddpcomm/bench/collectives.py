@@ -508,15 +508,15 @@ def _plain(kind: str, nbytes: float, group, device):
 
 
 def _two_level(kind: str, cross_bytes: float, numel: int, local: int, device):
-    """A two-level reduction's collectives on its own groups, nothing compressed: the
-    all_to_all of the bucket inside the node, ``kind`` of ``cross_bytes`` across nodes,
-    the all-gather of the shards inside the node. A barrier after each step makes each
-    one's time its own: ``run.steps`` collects (inside, across) seconds per call, whose
-    sum (the barriers left out) is the wire-only time."""
+    """A two-level reduction's steps on its own groups, nothing compressed: inside the
+    node as the method runs it (through shared memory, or gloo's all_to_all of the bucket),
+    ``kind`` of ``cross_bytes`` across nodes, then inside the node again (the shards read
+    back, or all-gathered). A barrier after each step makes each one's time its own:
+    ``run.steps`` collects (inside, across) seconds per call, whose sum (the barriers left
+    out) is the wire-only time."""
     topo = groups.topology(dist.group.WORLD, local, device)
     shard = math.ceil(numel / local)
     flat = torch.zeros(shard * local, device=device)
-    received, mine = torch.empty_like(flat), torch.zeros(shard, device=device)
     cross = _plain(kind, cross_bytes, topo.cross, device)
     if topo.shared and flat.device.type == "cpu":  # inside nodes through shared memory
         node = two_level.SharedNode(flat, ReduceContext(workspace=Workspace()), topo)
@@ -525,6 +525,7 @@ def _two_level(kind: str, cross_bytes: float, numel: int, local: int, device):
             lambda: (node.publish().wait(), node.read()),
         )
     else:
+        received, mine = torch.empty_like(flat), torch.zeros(shard, device=device)
         steps = (
             lambda: dist.all_to_all_single(received, flat, group=topo.intra),
             lambda: all_gather_single(flat, mine, group=topo.gather),
@@ -627,7 +628,7 @@ def _two_level_table(rows: list[dict], markdown: bool) -> list[str]:
     """Each two-level method (',hierarchy=...') against its flat form in the same run
     (plain two-level against torch's allreduce): speedup, bytes across nodes per node,
     error against the exact mean, as ratios; and the two-level wire-only time's steps
-    inside the nodes (all_to_all and all-gather) and across them."""
+    inside the nodes and across them."""
     done = {(r["world"], r["size_mib"], r["method"]): r for r in rows if r["status"] == "ok"}
     body = []
     for (world, size, method), r in done.items():
