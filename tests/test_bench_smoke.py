@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 import ddpcomm
 from ddpcomm.bench import _ranks
@@ -267,7 +268,9 @@ def test_two_level_table_compares_each_method_with_its_flat_form():
 
 def test_train_quick_on_text(cwd, tmp_path):
     out = tmp_path / "t.json"
-    bench(cwd, "train", "--quick", "--data", "text", "--methods", "ddp,q8", "--out", str(out))
+    # --adam-exact v: q8's AdamW keeps its second moment from the exact mean (SplitAdam).
+    argv = ["--quick", "--data", "text", "--methods", "ddp,q8", "--adam-exact", "v"]
+    bench(cwd, "train", *argv, "--out", str(out))
     result = json.loads(out.read_text())
     assert "English text" in result["environment"]["model"]
     for r in result["rows"]:
@@ -313,6 +316,10 @@ def test_train_accumulation_and_scheduled_spec(cwd, tmp_path):
         assert r["status"] == "ok" and r["replicas_identical"], r
     # 10 timed steps: 4 ramp iterations (q8, q4, q2) and 6 at q1, one bucket exchange each.
     assert q1["paths"]["q_all_gather"] == 10, q1["paths"]
+    # Past the ramp, each step sends q1's payload of the model's gradients once.
+    q1_bytes = ddpcomm.compressors.parse("q1", block_size=64).wire_bytes(q1["params"], 2)
+    assert q1["bytes_per_step_settled"] == q1_bytes < q1["bytes_per_step"]
+    assert "bytes_per_step_settled" not in ddp
 
 
 def test_fsdp_quick(cwd, tmp_path):
@@ -444,3 +451,27 @@ def test_links_removed_on_sigterm_and_stale_ones_reaped():
     assert set(names) <= set(netns.list_namespaces())
     assert set(names) <= set(netns.remove_stale())
     assert not set(names) & set(netns.list_namespaces())
+
+
+@pytest.mark.parametrize("exact", ["m", "v"])
+def test_split_adam_is_adamw_when_both_moments_take_one_gradient(exact):
+    from ddpcomm.bench._probes import SplitAdam
+
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(64))
+    b = torch.nn.Parameter(a.detach().clone())
+    ref = torch.optim.AdamW([a], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0, foreach=False)
+    split = SplitAdam([b], lr=1e-2, exact=exact)
+    for _ in range(5):
+        g = torch.randn(64)
+        a.grad, b.grad, b.exact_grad = g.clone(), g.clone(), g.clone()
+        ref.step()
+        split.step()
+        assert torch.equal(a, b)
+    # A different exact gradient moves the weights elsewhere: the moment really reads it.
+    b.exact_grad = 2 * b.grad
+    split.step()
+    ref.step()
+    assert not torch.equal(a, b)
+    with pytest.raises(ValueError, match="exact"):
+        SplitAdam([b], lr=1e-2, exact="w")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpcomm.bench import _methods, _ranks
+from ddpcomm.bench import _methods, _probes, _ranks
 from ddpcomm.bench._gpt import GPT, GPTConfig, Text, corpus, describe, num_params
 from ddpcomm.bench._util import (
     check_line,
@@ -33,7 +33,6 @@ from ddpcomm.bench._util import (
     table,
     wall,
 )
-from ddpcomm.futures import then
 
 DESCRIPTION = """\
 Trains the same small GPT from the same initial weights on the same batches with each
@@ -123,6 +122,13 @@ def add_arguments(p) -> None:
         "over the first and the second half of training (default 0: off)",
     )
     p.add_argument(
+        "--adam-exact",
+        choices=("m", "v"),
+        help="mechanism probe: AdamW's first (m) or second (v) moment takes the exact mean "
+        "gradient (one more plain all_reduce per bucket) and the other the method's, to "
+        "split a method's loss gap between Adam's direction and its per-coordinate scale",
+    )
+    p.add_argument(
         "--data",
         choices=("markov", "text"),
         default="markov",
@@ -185,6 +191,7 @@ def run(args, command: str = "train") -> int:
             "lr_decay",
             "data",
             "probe_every",
+            "adam_exact",
         )
     }
     cases = [
@@ -263,20 +270,28 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
     torch.manual_seed(case["seed"])  # the same initial weights on every rank and method
     model = GPT(cfg).to(device)
     init = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-    counter, state = [0], None
+    counter, state, settle = [0], None, 0
     # --probe-every's records (hooked: the method's hook compares with the exact mean)
     probe = {"on": False, "hooked": False, "steps": [], "err": [], "ref": []}
     net = model  # nocomm: each rank trains its own copy
     if method != "nocomm":
         net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     if method not in OWN:
-        hook, state, _ = _methods.make_hook(method, dist.group.WORLD)
+        # settle: the first step the method compresses with no warm-up or ramp stage
+        hook, state, settle = _methods.make_hook(method, dist.group.WORLD)
         if not hasattr(state, "stats"):
             hook = _counting(hook, method, world, counter)
         if case.get("probe_every"):
-            hook, probe["hooked"] = _probing(hook, model, probe), True
+            hook, probe["hooked"] = _probes.probing(hook, model, probe), True
+        if case.get("adam_exact"):
+            hook = _probes.keeping_exact(hook)
         net.register_comm_hook(state, hook)
-    opt = torch.optim.AdamW(model.parameters(), lr=case["lr"], betas=(0.9, 0.95), weight_decay=0.0)
+    if case.get("adam_exact") and method not in OWN:
+        opt = _probes.SplitAdam(model.parameters(), lr=case["lr"], exact=case["adam_exact"])
+    else:
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=case["lr"], betas=(0.9, 0.95), weight_decay=0.0
+        )
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, functools.partial(_lr_factor, steps=steps, decay=case.get("lr_decay", "none"))
     )
@@ -307,6 +322,8 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
             tx0, sent0 = _ranks.tx_bytes(common.get("ifname")), counter[0]
             if hasattr(state, "reset_stats"):
                 state.reset_stats()
+        if i == max(warm, settle) and hasattr(state, "stats"):
+            settled0 = state.stats()["bytes_sent"]
         batches = [
             lang.batch(case["batch"], cfg.seq, seed=((i * accum + j) * 1000 + rank) * 7919 + 17)
             for j in range(accum)
@@ -344,12 +361,16 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
     if hasattr(state, "stats"):
         st = state.stats()
         result.update(bytes_per_step=st["bytes_sent"] / measured, paths=st["paths"])
+        if max(warm, settle) < steps:
+            # What the method sends once it is past its warm-up and ramp.
+            settled = (st["bytes_sent"] - settled0) / (steps - max(warm, settle))
+            result["bytes_per_step_settled"] = settled
         result["compress_s_per_step"] = st["compress_seconds"] / measured
         result.update({k: st[k] for k in ("adaptive", "hierarchy") if k in st})
     elif method == "ddp":
         result["bytes_per_step"] = _methods.formula_bytes("ddp", [(result["params"],)], world)
     if probe["hooked"]:
-        result["probe"] = _probe_result(probe)
+        result["probe"] = _probes.probe_result(probe)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     if method != "nocomm":  # replicas must stay identical under every DDP method
         probe = torch.stack([flat.double().sum(), flat.double().square().sum()]).to(device)
@@ -363,71 +384,8 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         elif os.path.exists(baseline):
             ddp_flat, ddp_named = torch.load(baseline)
             result["max_param_diff"] = (flat - ddp_flat).abs().max().item()
-            result["drift"] = drift(named, ddp_named, init)
+            result["drift"] = _probes.drift(named, ddp_named, init)
     return result
-
-
-def _probing(hook, model, probe: dict):
-    """``hook``, which at probe steps also all-reduces a copy of the bucket plainly and
-    adds, per parameter kind, the squared error of the method's mean against the exact
-    one and the exact one's square to the step's records."""
-    names = {p: n for n, p in model.named_parameters()}
-
-    @functools.wraps(hook)
-    def wrapper(state, bucket):
-        if not probe["on"]:
-            return hook(state, bucket)
-        exact = bucket.buffer().clone()
-        dist.all_reduce(exact)
-        exact /= dist.get_world_size()
-        err, ref = probe["err"][-1], probe["ref"][-1]
-
-        def compare(fut):
-            got, start = fut.value()[0] if isinstance(fut.value(), list) else fut.value(), 0
-            for p in bucket.parameters():
-                k, n = _kind(names[p]), p.numel()
-                e = exact[start : start + n].double()
-                err[k] += float((got[start : start + n].double() - e).square().sum())
-                ref[k] += float(e.square().sum())
-                start += n
-            return fut.value()
-
-        return then(hook(state, bucket), compare)
-
-    return wrapper
-
-
-def _probe_result(probe: dict) -> dict:
-    """Relative error of the reduced gradient by parameter kind, pooled over the probes
-    of the first and of the second half of the run."""
-    half = len(probe["steps"]) // 2
-    out = {"steps": probe["steps"]}
-    for name, part in (("first_half", slice(0, half)), ("second_half", slice(half, None))):
-        err, ref = collections.Counter(), collections.Counter()
-        for e, r in zip(probe["err"][part], probe["ref"][part], strict=True):
-            err.update(e)
-            ref.update(r)
-        out[name] = {k: math.sqrt(err[k] / ref[k]) if ref[k] else math.nan for k in ref}
-    return out
-
-
-def _kind(name: str) -> str:
-    """The bench GPT's parameter kinds: embeddings, attention, MLP, layer norms, head."""
-    part = name.split(".")[-2]
-    kinds = {"tok": "token embedding", "pos": "position embedding", "qkv": "attention"}
-    kinds.update(proj="attention", fc="mlp", out="mlp")
-    return kinds.get(part, "layer norm" if part.startswith("ln") else part)
-
-
-def drift(params: dict, ddp: dict, init: dict) -> dict:
-    """Per parameter kind, how far a run's weights ended from DDP's, relative to how far
-    DDP's moved from the common start: ||w - w_ddp|| / ||w_ddp - w_0|| over the kind."""
-    num, den = collections.Counter(), collections.Counter()
-    for n, w in params.items():
-        k = _kind(n)
-        num[k] += float((w.double() - ddp[n].double()).square().sum())
-        den[k] += float((ddp[n].double() - init[n].double()).square().sum())
-    return {k: math.sqrt(num[k] / den[k]) if den[k] else math.nan for k in num}
 
 
 def report(result: dict, markdown: bool = False) -> str:
@@ -488,18 +446,27 @@ def report(result: dict, markdown: bool = False) -> str:
 
 
 def _eval_table(rows: list[dict], base: dict | None, markdown: bool) -> list[str]:
-    """Held-out loss after a sixth, half and all of the steps, and the final gap to DDP's
-    default (results written before these points were scored have none)."""
+    """Held-out loss after a sixth, half and all of the steps, the final gap to DDP's
+    default, and how many times fewer bytes than DDP's the method sent over the run and
+    once past its warm-up and ramp (results written before these points were scored have
+    none)."""
     ok = [r for r in rows if r["status"] == "ok" and len(r.get("eval_losses", ())) > 1]
     if not ok:
         return []
+
+    def fewer(r: dict, key: str) -> str:
+        return f"{base['bytes_per_step'] / r[key]:.1f}x" if base and r.get(key) else "-"
+
     points = [s for s, _ in ok[0]["eval_losses"]]
     headers = ["method", *[f"held-out @{s}" for s in points], "gap to DDP"]
+    headers += ["fewer bytes: run", "after warm-up"]
     body = [
         [
             r["method"],
             *[f"{v:.4f}" for _, v in r["eval_losses"]],
             f"{r['eval_loss'] / base['eval_loss'] - 1:+.2%}" if base else "-",
+            fewer(r, "bytes_per_step"),
+            fewer(r, "bytes_per_step_settled"),
         ]
         for r in ok
     ]
