@@ -45,7 +45,8 @@ _KEYS = ("config", "iteration", "start_iter", "min_numel", "memory", "layout")
 _INT64_MAX = 2**63 - 1  # iteration and friends become an op's int64 step argument
 # Residual kinds, as collectives.py asks for them (ctx.residual): one element per element
 # of the bucket, or the two-phase quantizer's owner residual of this rank's chunk.
-_WHOLE_KINDS = ("q", "topk", "randk")
+_SCALE_KINDS = ("rms_local", "scale")  # normalize.py's per-element mean square and scale
+_WHOLE_KINDS = ("q", "topk", "randk", *_SCALE_KINDS)
 _OWNER_KIND = "q_owner"
 # A two-level reduction's cross-node step keeps its shard's residuals as "shard:<kind>"
 # (context.ReduceContext.across): the saved rank's shard of the bucket in the node layout
@@ -294,6 +295,8 @@ def _check_residual(key, buf, name: str) -> None:
         raise ValueError(f"{where} must be a 1-D float32 tensor, got {_short(buf)}")
     if buf.device.type == "meta":
         raise ValueError(f"{where} must be on the CPU or a device, got a meta tensor")
+    if key[0] in _SCALE_KINDS and bool((buf < 0).any()):
+        raise ValueError(f"{where} must be >= 0 (a mean square or an RMS), got negatives")
     if not bool(torch.isfinite(buf).all()):
         bad = int((~torch.isfinite(buf)).sum())
         raise ValueError(

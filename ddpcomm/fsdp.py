@@ -45,7 +45,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _TorchReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from ddpcomm import agreement, checkpoint, collectives, reduce_scatter
+from ddpcomm import agreement, checkpoint, collectives, normalize, reduce_scatter
 from ddpcomm.compressors import Compressor, NoCompression, check_int, parse, take_state_options
 from ddpcomm.context import ReduceContext, ResidualMemory, Stats, Workspace
 from ddpcomm.futures import completed
@@ -169,6 +169,7 @@ class FSDPCompressionState:
                     )
                 given[name] = value
         self.compressor = parse(compression, **options)
+        normalize.refuse(self.compressor, "FSDP's reduce-scatter")
         self.start_iter = check_int(_or_zero(given["start_iter"]), "start_iter", 0)
         self.min_numel = check_int(_or_zero(given["min_numel"]), "min_numel", 0)
         if not isinstance(residual_dtype, torch.dtype):

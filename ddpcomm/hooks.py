@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ddpcomm import agreement, checkpoint, collectives, groups, traced, two_level
+from ddpcomm import agreement, checkpoint, collectives, groups, normalize, traced, two_level
 from ddpcomm.adaptive import DEFAULT_EVERY, MIN_EVERY, Adaptive
 from ddpcomm.compressors import (
     Compressor,
@@ -33,6 +33,7 @@ from ddpcomm.compressors import (
     default_schedule,
     parse,
     ramp_stages,
+    resolve_normalize,
     take_state_options,
 )
 from ddpcomm.context import (
@@ -161,6 +162,12 @@ class CompressionState:
         self.compressor = parse(compression, **options)
         self.adaptive = _make_adaptive(self.compressor, adaptive, adaptive_every)
         self.hierarchy = groups.check_hierarchy(hierarchy)
+        flat = self.hierarchy is None and self.adaptive is None
+        self.compressor = resolve_normalize(self.compressor, flat_hook=flat)
+        if self.hierarchy is not None:
+            normalize.refuse(self.compressor, "a two-level reduction (hierarchy)")
+        if self.adaptive is not None:
+            normalize.refuse(self.compressor, "adaptive pass-through")
         if self.hierarchy is not None and self.adaptive is not None:
             raise ValueError(
                 f"hierarchy={self.hierarchy!r} cannot be combined with adaptive=True: adaptive "
@@ -232,10 +239,18 @@ class CompressionState:
         )
         if flat.layout != torch.strided:
             return collectives.sparse_all_reduce(flat, ctx)
+        normalizing = getattr(self.compressor, "normalize", 0) and flat.numel() >= self.min_numel
         if self.iteration < self.start_iter or flat.numel() < self.min_numel:
+            if normalizing:  # the scales form during the plain steps
+                normalize.observe(flat, ctx)
             # Exact anyway: one all_reduce, which NCCL already routes by topology.
             return collectives.plain_all_reduce(flat, ctx)
         compressor = self.compressor_at(self.iteration)
+        if normalizing:
+            done = self.iteration - self.start_iter
+            scale = normalize.scale_down(flat, self.compressor, ctx, done)
+            fut = collectives.all_reduce_mean(flat, compressor, ctx)
+            return normalize.scale_up(fut, scale, ctx)
         if self.adaptive is not None:
             step = self.iteration - self.start_iter
             return self.adaptive.reduce(flat, compressor, ctx, step)

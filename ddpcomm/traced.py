@@ -162,6 +162,11 @@ def unsupported(state) -> str | None:
             "adaptive=True needs a step counter, which would recompile the backward graph "
             "every step; use adaptive=False"
         )
+    if getattr(state.compressor, "normalize", 0):
+        return (
+            f"normalize={state.compressor.normalize} keeps per-element scales per bucket, "
+            "which the per-parameter traced path has none of; give normalize=0"
+        )
     return None
 
 

@@ -82,7 +82,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ddpcomm import agreement, collectives, ops, two_level
+from ddpcomm import agreement, collectives, normalize, ops, two_level
 from ddpcomm.compressors import Compressor, parse, take_state_options
 from ddpcomm.context import ReduceContext, Workspace, WorkspacePool
 from ddpcomm.futures import completed, join, then
@@ -162,10 +162,12 @@ def _parse_compression(compression, hierarchy=None) -> tuple[Compressor, int | s
                 )
             hierarchy = state["hierarchy"]
         c = parse(spec)
+        normalize.refuse(c, "ddpcomm.all_reduce")
         # Stateless calls cannot carry a residual; build the method without it.
         c = parse(spec, error_feedback=False) if c.error_feedback else c
         return c, check_hierarchy(hierarchy)
     if isinstance(compression, Compressor):
+        normalize.refuse(compression, "ddpcomm.all_reduce")
         if compression.error_feedback:
             raise ValueError(
                 f"compression {compression!r} has error_feedback on, which needs a residual "

@@ -260,7 +260,8 @@ ROWS = [
     ("state_dict", "residual kind", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
      .load_state_dict({**_GOOD_SD, "memory": {"buffers": {("zz", 0): torch.zeros(2)},
                                              "signatures": {("zz", 0): ((2,),)}}}), ValueError,
-     r"keys must be \(kind, bucket key\) with kind one of \['q', 'topk', 'randk', 'q_owner'\]"),
+     r"keys must be \(kind, bucket key\) with kind one of \['q', 'topk', 'randk', 'rms_local', "
+     r"'scale', 'q_owner'\]"),
     ("state_dict", "signature garbage", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
      .load_state_dict({**_GOOD_SD, "memory": {"buffers": {("q", 0): torch.zeros(2)},
                                              "signatures": {("q", 0): "abc"}}}), ValueError,

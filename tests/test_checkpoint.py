@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import ddpcomm
+from ddpcomm import normalize
 from ddpcomm.context import ResidualMemory
 from tests.ddp_utils import FROM_START, SHALLOW, flat_params, make_model
 from tests.ddp_utils import train as _train
@@ -123,7 +124,12 @@ def test_malformed_state_dicts_are_refused_before_loading():
     assert state.iteration == 7 and torch.equal(state.memory.buffers["q", 0], torch.ones(6))
     state = ddpcomm.QuantizeState(4, error_feedback=True)
     nan = dict(later["memory"], buffers={("q", 0): torch.full((6,), float("nan"))})
+    negative = {
+        "buffers": {("scale", 0): -torch.ones(6)},
+        "signatures": {("scale", 0): ((2, 3),)},
+    }
     cases += [
+        ({**later, "memory": negative}, ValueError, r"\('scale', 0\)\] must be >= 0"),
         ({**later, "version": 99}, ValueError, r"\['version'\] must be one of \[2\]"),
         ({**later, "memory": nan}, ValueError, "must be finite"),
         ({**later, "layout": {"shapes": [(2, 3)], "layouts": {0: (1,)}}}, ValueError, r"\[0, 1\)"),
@@ -276,7 +282,10 @@ def _residual_per_parameter(state, model, world, rank) -> list[torch.Tensor]:
     params = list(model.parameters())
     param_of = {state.layout.ordinals[p]: i for i, p in enumerate(params)}
     out = [torch.zeros(p.numel(), dtype=torch.float64) for p in params]
-    for (kind, key), buf in state.memory.buffers.items():
+    buffers = state.memory.buffers
+    for (kind, key), buf in buffers.items():
+        if kind in ("scale", "rms_local"):
+            continue  # normalize's scales, not residuals
         ords = state.memory.placed[key]
         n = sum(params[param_of[o]].numel() for o in ords)
         flat = torch.zeros(n, dtype=torch.float64)
@@ -285,6 +294,8 @@ def _residual_per_parameter(state, model, world, rank) -> list[torch.Tensor]:
             flat[start : start + buf.numel()] = buf.double()
         else:
             flat += buf.double()
+        if ("scale", key) in buffers:  # normalize: residuals are in units of the scale
+            flat *= normalize.effective_scale(buffers[("scale", key)]).double()
         at = 0
         for o in ords:
             size = params[param_of[o]].numel()
@@ -379,6 +390,8 @@ def _resume_twice(rank, make, hook, tmp):
 LAYOUT_CHANGES = {
     "q2": (lambda: ddpcomm.QuantizeState(2, **FROM_START), ddpcomm.quantize_hook),
     "topk": (lambda: ddpcomm.TopKState(0.05, **FROM_START), ddpcomm.topk_hook),
+    # Scales refreshed every 2 compressed steps: residuals rescaled before and after resumes.
+    "q1norm": (lambda: ddpcomm.QuantizeState(1, normalize=2, **FROM_START), ddpcomm.quantize_hook),
 }
 
 
@@ -394,7 +407,7 @@ def _layout_change_body(rank, world, tmp, methods):
     return out
 
 
-@pytest.mark.parametrize("world, methods", [(2, ("q2", "topk")), (3, ("q2",))])
+@pytest.mark.parametrize("world, methods", [(2, ("q2", "topk", "q1norm")), (3, ("q2", "q1norm"))])
 def test_error_feedback_survives_a_layout_change(tmp_path, world, methods):
     """DDP's rebuild within a run and a resume with another bucket_cap_mb both move every
     parameter's residual to its new bucket (3 ranks: the two-phase quantizer's owner

@@ -138,6 +138,7 @@ def test_integer_bucket_rejected(hook, state):
         (ddpcomm.compress_hook, ddpcomm.CompressionState("q4", start_iter=3), "start_iter"),
         (ddpcomm.compress_hook, ddpcomm.CompressionState("q1,ramp=9"), "ramp"),
         (ddpcomm.compress_hook, ddpcomm.CompressionState("q8,adaptive"), "adaptive"),
+        (ddpcomm.quantize_hook, ddpcomm.QuantizeState(1, start_iter=0, ramp=0), "normalize=0"),
     ],
 )
 def test_python_reducer_refuses_what_cannot_be_traced(hook, state, why):
@@ -206,7 +207,7 @@ def test_spec_options():
     assert parse("randk:0.1,seed=4").seed == 4
     state = ddpcomm.CompressionState("q1,start_iter=5,min_numel=7,ramp=30,block_size=64")
     assert (state.start_iter, state.min_numel, state.ramp) == (5, 7, 30)
-    assert state.compressor == parse("q1", block_size=64)
+    assert state.compressor == parse("q1", block_size=64, normalize=32)  # q1 state default
     assert ddpcomm.CompressionState("q2", ramp=4).ramp == ddpcomm.QuantizeState(2, ramp=4).ramp
 
 

@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpcomm
+from ddpcomm import normalize
 from tests.cuda_utils import needs_cuda
 from tests.ddp_utils import (
     DEEP,
@@ -211,6 +212,9 @@ def check_ramp(rank, world, spec):
         state.iteration += 1
     kind = {"q": "q", "t": "topk", "r": "randk"}[spec[0]]
     residual = state.memory.buffers.get((kind, 0))
+    scale = state.memory.buffers.get(("scale", 0))
+    if scale is not None:  # q1's default normalize: residuals in units of the scale
+        residual = residual * normalize.effective_scale(scale)
     every = [torch.empty_like(inputs) for _ in range(world)]
     dist.all_gather(every, inputs)
     mean_inputs = sum(every) / world

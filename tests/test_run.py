@@ -226,7 +226,7 @@ def _resolve(args: list[str], env: dict) -> tuple[dict, str]:
             compressors.UnknownOptionError,
             "--option blocksize=128 (method from --compression q8): unknown option "
             "'blocksize' for 'q8'; Quantizer takes block_size, stochastic, error_feedback, "
-            "algorithm, seed; the hook states take start_iter",
+            "algorithm, seed, normalize; the hook states take start_iter",
         ),
         (
             ["--compression", "q8", "--option", "blocksize"],

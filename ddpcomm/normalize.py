@@ -1,0 +1,140 @@
+"""Quantizing in units of each element's own scale: a quantizer's ``normalize=K`` in DDP hooks.
+
+A 1-bit code sends one magnitude per block: sign x block mean ``|x|``. Every element of a
+block then arrives with the same size, so an AdamW step, which divides each element by
+its own running RMS, sees the block's scale in every element and loses the per-element
+adaptivity it exists for: an element whose gradients are small next to its block's is
+pushed by noise as large as the block's typical gradient (benchmarks/RESULTS.md, "Steady
+state with AdamW", measures what that costs).
+
+With ``normalize=K`` each element is divided by a scale every rank shares before it is
+compressed, and the mean is multiplied back after: the code's error in each element is
+then proportional to that element's own size, and so is what AdamW sees. The scale is
+each element's gradient RMS, as an exponential average over steps (``BETA``) kept by each
+rank of its own gradients and shared every K compressed steps: the ranks average the
+base-2 logarithms of their RMS through an 8-bit quantized all-reduce (8.1 bits per
+element every K steps, 0.25 at K = 32; ``stats()`` counts them as path ``"scale"``).
+Error feedback runs in the scaled units; when a refresh changes the scale, the residuals
+are rescaled with it, so the error-feedback invariant keeps holding in gradient units.
+
+Per-element state (the local average and the shared scale) lives in the state's
+``ResidualMemory`` beside the residuals: carried per parameter across DDP's bucket
+rebuild, saved and restored with the state, zeroed with the residuals after a
+non-finite step. Deterministic and identical on every rank: the shared scale is the
+output of a collective every rank decodes alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddpcomm import collectives, layout
+from ddpcomm.compressors import Quantizer
+from ddpcomm.context import ReduceContext, Stats
+from ddpcomm.futures import Future, then
+
+BETA = 0.95  # the local average's decay per step: a horizon of about 20 steps
+LOG2_FLOOR = -40.0  # RMS below 2^-40 counts as 2^-40 (log2 of zero is -inf)
+RELATIVE_FLOOR = 1e-3  # no element is scaled up by more than 1000x the bucket's mean scale
+SCALE_BITS = 8  # the log2 RMS travel as q8 (block-wise absmax, no error feedback)
+PART = "scale:"  # the refresh's buffers and residual kinds, beside the bucket's own
+
+
+def observe(flat: torch.Tensor, ctx: ReduceContext) -> None:
+    """Adds this step's local gradient to the local average (plain steps too, so the
+    first compressed step starts from a formed average)."""
+    local = ctx.residual("rms_local", flat.numel(), flat.device)
+    with ctx.stats.timer():
+        local.mul_(BETA).addcmul_(flat, flat, value=1 - BETA)
+
+
+def scale_down(flat: torch.Tensor, c: Quantizer, ctx: ReduceContext, done: int) -> torch.Tensor:
+    """Divides ``flat`` in place by the shared scale, refreshing it first at every K-th
+    compressed step (``done``: compressed steps before this one). Returns the scale, for
+    ``scale_up``."""
+    observe(flat, ctx)
+    shared = ctx.residual("scale", flat.numel(), flat.device)
+    if done % c.normalize == 0:
+        _refresh(shared, c, ctx)
+    with ctx.stats.timer():
+        scale = effective_scale(shared)
+        flat.div_(scale)
+    return scale
+
+
+def scale_up(fut: Future, scale: torch.Tensor, ctx: ReduceContext) -> Future:
+    """The Future of the scaled mean, multiplied back into gradient units."""
+
+    def unscale(f: Future) -> torch.Tensor:
+        out = f.value()
+        with ctx.stats.timer():
+            return out.mul_(scale)
+
+    return then(fut, unscale)
+
+
+def effective_scale(shared: torch.Tensor) -> torch.Tensor:
+    """The scale an element is divided by: its shared RMS, at least ``RELATIVE_FLOOR``
+    of the bucket's mean (elements that had no gradient yet); 1 where the whole bucket has
+    none yet (gradient units: the first step, or after a non-finite step)."""
+    scale = torch.clamp_min(shared, RELATIVE_FLOOR * shared.mean())
+    return torch.where(scale > 0, scale, 1.0)
+
+
+def _refresh(shared: torch.Tensor, c: Quantizer, ctx: ReduceContext) -> None:
+    """The shared scale from every rank's local average: 2 ^ mean of log2 RMS. The
+    residuals, in units of the old scale, are rescaled to the new one."""
+    local = ctx.memory.get("rms_local", ctx.key, shared.numel(), shared.device, ctx.signature)
+    logs = local.sqrt().clamp_min_(2.0**LOG2_FLOOR).log2_()
+    sub = ReduceContext(
+        ctx.pg, ctx.memory, ctx.key, ctx.step, ctx.signature, _Overhead(ctx.stats),
+        ctx.workspace, part=PART,
+    )  # fmt: skip
+    code = Quantizer(SCALE_BITS, error_feedback=False, algorithm=c.algorithm)
+    new = collectives.all_reduce_mean(logs, code, sub).wait().exp2_()
+    _rescale_residuals(effective_scale(shared), effective_scale(new), c, ctx)
+    shared.copy_(new)
+
+
+def _rescale_residuals(old: torch.Tensor, new: torch.Tensor, c: Quantizer, ctx) -> None:
+    """Residuals held in units of the scale ``old`` -> units of ``new``: the same
+    gradient mass."""
+    ratio = old / new
+    memory, key = ctx.memory, ctx.key
+    whole = memory.buffers.get((ctx.part + "q", key))
+    if whole is not None and whole.numel() == ratio.numel():
+        whole.mul_(ratio)
+    owner = memory.buffers.get((ctx.part + "q_owner", key))
+    if owner is not None:
+        start = layout.owner_chunk_start(c, ctx.pg)(ratio.numel())
+        owner.mul_(ratio[start : start + owner.numel()])
+
+
+class _Overhead:
+    """``Stats`` as a scale refresh sees it: its bytes are sent (path ``"scale"``) but
+    stand for no plain all_reduce and no call of their own."""
+
+    __slots__ = ("stats",)
+
+    def __init__(self, stats: Stats) -> None:
+        self.stats = stats
+
+    def record(self, path: str, sent: int, dense: int) -> None:
+        s = self.stats
+        with s._lock:
+            s.paths["scale"] += 1
+            s.bytes_sent += sent
+
+    def timer(self):
+        return self.stats.timer()
+
+
+def refuse(compressor, where: str) -> None:
+    """ValueError when ``compressor`` normalizes and ``where`` (a reduction that keeps
+    no per-element scales across steps) would have to run it."""
+    k = getattr(compressor, "normalize", 0)
+    if k:
+        raise ValueError(
+            f"normalize={k} is for flat DDP comm hooks: {where} keeps no per-element scale "
+            "across steps; give normalize=0 (the default) there"
+        )

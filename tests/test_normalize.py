@@ -1,0 +1,150 @@
+"""``normalize=K``: quantizing each element in units of its own gradient RMS, shared every
+K compressed steps. Checked: the spec and where it is refused; that an element far
+smaller than its block's others keeps a relative error of its own size; identical
+results and counted refresh bytes at 2 and 3 ranks; a non-finite step. Carrying the
+scales across layout changes and resumes is in test_checkpoint.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ddpcomm
+from ddpcomm import agreement, compressors, fsdp, normalize, traced, wrappers
+from tests.ddp_utils import FROM_START
+from tests.dist_utils import run_ranks
+
+
+def test_spec_and_bad_values():
+    c = compressors.parse("q1,normalize=16")
+    assert c.normalize == 16 and c.config()[-1] == 16
+    # Left to the hook state by default; off, it is absent from the config, so checkpoints
+    # saved before the option existed keep loading where it is off.
+    assert compressors.parse("q1").normalize is None and len(compressors.parse("q1").config()) == 6
+    assert len(compressors.parse("q1,normalize=0").config()) == 6
+    # The ranks agree on it as on every option of the method.
+    assert agreement.method_fields(c)["normalize"] == 16
+    with pytest.raises(ValueError, match="normalize"):
+        compressors.parse("q1,normalize=-1")
+    with pytest.raises(TypeError, match="normalize"):
+        compressors.Quantizer(1, normalize=1.5)
+
+
+def test_hook_states_default_to_it_for_q1_alone():
+    k = compressors.DEFAULT_NORMALIZE
+    assert ddpcomm.CompressionState("q1").compressor.normalize == k
+    assert ddpcomm.QuantizeState(1).compressor.normalize == k
+    assert ddpcomm.CompressionState("q1,normalize=0").compressor.normalize == 0
+    for spec in ("q2", "q4", "q8"):
+        assert ddpcomm.CompressionState(spec).compressor.normalize == 0
+    # Where it cannot run, the default is off (given explicitly, it is refused: below).
+    assert ddpcomm.CompressionState("q1", hierarchy=2).compressor.normalize == 0
+    assert ddpcomm.CompressionState("q1", adaptive=True).compressor.normalize == 0
+
+
+def test_refused_where_no_per_element_scale_is_kept():
+    for make in (
+        lambda: ddpcomm.CompressionState("q1,normalize=4", hierarchy=2),
+        lambda: ddpcomm.CompressionState("q1,normalize=4", adaptive=True),
+        lambda: fsdp.FSDPCompressionState("q1,normalize=4"),
+    ):
+        with pytest.raises(ValueError, match="normalize=4"):
+            make()
+    for compression in (
+        "q1,normalize=4",
+        compressors.parse("q1,normalize=4", error_feedback=False),
+    ):
+        with pytest.raises(ValueError, match="normalize=4 is for flat DDP comm hooks"):
+            wrappers._parse_compression(compression)  # ddpcomm.all_reduce's parsing
+    why = traced.unsupported(ddpcomm.CompressionState("q1,normalize=4", **FROM_START))
+    assert "normalize" in why
+
+
+def _mixed_scales(rank: int, step: int) -> torch.Tensor:
+    """Every other element 1000x smaller than its neighbours, inside every block."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(4096, generator=g)
+    x[1::2] *= 1e-3
+    return x
+
+
+def _small_elements_error(rank, world, k):
+    """Relative error, in the small elements alone, of the mean of 12 steps' outputs
+    against the mean of 12 steps' exact means (error feedback spreads each step's error
+    over the next: over steps it is what the elements receive)."""
+    state = ddpcomm.CompressionState("q1", normalize=k, **FROM_START)
+    got, exact, outs, sizes = torch.zeros(4096), torch.zeros(4096), [], []
+    small = slice(1, None, 2)
+    for step in range(12):
+        x = _mixed_scales(rank, step)
+        mean = x.clone()
+        dist.all_reduce(mean)
+        exact += mean / world
+        state.iteration = step  # as the hook counts them
+        out = state.reduce(x.clone(), 0, ((4096,),)).wait()
+        got += out
+        outs.append(out.clone())
+        # What AdamW's second moment sees of the small elements, against their true size.
+        sizes.append(float(out[small].norm() / (mean[small].norm() / world)))
+    err = (got[small] - exact[small]).norm() / exact[small].norm()
+    st = state.stats()
+    return {
+        "err": float(err),
+        "step_size": sum(sizes) / len(sizes),
+        "outs": torch.stack(outs).numpy().tobytes(),
+        "paths": dict(st["paths"]),
+        "bytes": st["bytes_sent"],
+        "residual": float(state.memory.buffers[("q", 0)].abs().max()),
+    }
+
+
+def _body(rank, world):
+    return {k: _small_elements_error(rank, world, k) for k in (0, 4)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_elements_keep_their_own_scale_on_every_rank(world):
+    results = run_ranks(_body, world)
+    plain, scaled = results[0][0], results[0][4]
+    # q1 sends every element of a block with the block's magnitude: per step the small
+    # elements arrive hundreds of times their size, and what error feedback delivers over
+    # 12 steps is still off by more than their own size. In their own units, neither.
+    assert plain["step_size"] > 100 and plain["err"] > 10, plain
+    assert scaled["step_size"] < 2 and scaled["err"] < 0.5, scaled
+    for r in results[1:]:  # bitwise the same mean on every rank
+        for k in (0, 4):
+            assert r[k]["outs"] == results[0][k]["outs"]
+    # Refreshes at compressed steps 0, 4 and 8: an 8-bit all-reduce of the 4096 log2 RMS,
+    # counted as path "scale", on top of the 12 q1 reductions.
+    q1 = compressors.parse("q1")
+    q8 = compressors.Quantizer(8, error_feedback=False)
+    assert scaled["paths"]["scale"] == 3, scaled["paths"]
+    expected = 12 * q1.wire_bytes(4096, world) + 3 * q8.wire_bytes(4096, world)
+    assert scaled["bytes"] == expected and plain["bytes"] == 12 * q1.wire_bytes(4096, world)
+
+
+def _non_finite_body(rank, world):
+    state = ddpcomm.CompressionState("q1", normalize=2, **FROM_START)
+    finite = []
+    for step in range(6):
+        x = _mixed_scales(rank, step)
+        if step == 2 and rank == 0:
+            x[7] = float("inf")
+        state.iteration = step
+        out = state.reduce(x, 0, ((4096,),)).wait()
+        finite.append(bool(torch.isfinite(out).all()))
+    scales = [state.memory.buffers[(k, 0)] for k in ("scale", "rms_local")]
+    return finite, all(bool(torch.isfinite(s).all()) for s in scales)
+
+
+def test_a_non_finite_step_does_not_poison_the_scales():
+    for finite, scales_finite in run_ranks(_non_finite_body, 2):
+        # Step 2 is non-finite on every rank; from step 3 on the scales start over.
+        assert finite == [True, True, False, True, True, True] and scales_finite
+
+
+def test_effective_scale_floors():
+    assert torch.equal(normalize.effective_scale(torch.zeros(3)), torch.ones(3))
+    s = normalize.effective_scale(torch.tensor([0.0, 1.0, 2.0]))
+    assert torch.allclose(s, torch.tensor([normalize.RELATIVE_FLOOR, 1.0, 2.0]))
