@@ -118,9 +118,14 @@ class Stats:
             self.cross_node_dense_bytes += cross_dense
             self.nodes = True
 
-    def across(self) -> _Across:
+    def across(self) -> _Part:
         """What the cross-node step of a two-level reduction records into."""
-        return _Across(self)
+        return _Part(self, across=True)
+
+    def overhead(self, path: str) -> _Part:
+        """What a collective serving a call (not standing for a plain all_reduce of its
+        own) records into, under ``path``: normalize's scale refresh."""
+        return _Part(self, path=path)
 
     def flat_over(self, local_size: int) -> _FlatOverNodes:
         """What a flat collective over nodes of ``local_size`` ranks records into."""
@@ -152,23 +157,27 @@ class Stats:
             return d
 
 
-class _Across:
-    """``Stats`` as the cross-node step of a two-level reduction sees it: the flat
-    algorithm records its path and bytes, which all cross nodes; the call and the flat
-    equivalent were counted by the two-level reduction itself."""
+class _Part:
+    """``Stats`` as a collective that is part of a counted call sees it: its path and
+    bytes count; the call and the plain all_reduce it stands for were counted by the
+    call. The cross-node step of a two-level reduction (``across``: all its bytes cross
+    nodes), or an overhead under a path of its own (``path``)."""
 
-    __slots__ = ("stats",)
+    __slots__ = ("stats", "across", "path")
 
-    def __init__(self, stats: Stats) -> None:
+    def __init__(self, stats: Stats, across: bool = False, path: str | None = None) -> None:
         self.stats = stats
+        self.across = across
+        self.path = path
 
     def record(self, path: str, sent: int, dense: int) -> None:
         s = self.stats
         with s._lock:
-            s.paths[path] += 1
+            s.paths[self.path or path] += 1
             s.bytes_sent += sent
-            s.cross_node_bytes += sent
-            s.nodes = True
+            if self.across:
+                s.cross_node_bytes += sent
+                s.nodes = True
 
     def timer(self) -> _Timer:
         return self.stats.timer()

@@ -30,7 +30,7 @@ import torch
 
 from ddpcomm import collectives, layout
 from ddpcomm.compressors import Quantizer
-from ddpcomm.context import ReduceContext, Stats
+from ddpcomm.context import ReduceContext
 from ddpcomm.futures import Future, then
 
 BETA = 0.95  # the local average's decay per step: a horizon of about 20 steps
@@ -87,7 +87,7 @@ def _refresh(shared: torch.Tensor, c: Quantizer, ctx: ReduceContext) -> None:
     local = ctx.memory.get("rms_local", ctx.key, shared.numel(), shared.device, ctx.signature)
     logs = local.sqrt().clamp_min_(2.0**LOG2_FLOOR).log2_()
     sub = ReduceContext(
-        ctx.pg, ctx.memory, ctx.key, ctx.step, ctx.signature, _Overhead(ctx.stats),
+        ctx.pg, ctx.memory, ctx.key, ctx.step, ctx.signature, ctx.stats.overhead("scale"),
         ctx.workspace, part=PART,
     )  # fmt: skip
     code = Quantizer(SCALE_BITS, error_feedback=False, algorithm=c.algorithm)
@@ -108,25 +108,6 @@ def _rescale_residuals(old: torch.Tensor, new: torch.Tensor, c: Quantizer, ctx) 
     if owner is not None:
         start = layout.owner_chunk_start(c, ctx.pg)(ratio.numel())
         owner.mul_(ratio[start : start + owner.numel()])
-
-
-class _Overhead:
-    """``Stats`` as a scale refresh sees it: its bytes are sent (path ``"scale"``) but
-    stand for no plain all_reduce and no call of their own."""
-
-    __slots__ = ("stats",)
-
-    def __init__(self, stats: Stats) -> None:
-        self.stats = stats
-
-    def record(self, path: str, sent: int, dense: int) -> None:
-        s = self.stats
-        with s._lock:
-            s.paths["scale"] += 1
-            s.bytes_sent += sent
-
-    def timer(self):
-        return self.stats.timer()
 
 
 def refuse(compressor, where: str) -> None:
