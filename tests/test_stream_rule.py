@@ -175,12 +175,21 @@ def _fsdp(rank):
     return state.stats()["calls"]
 
 
+def _normalize(rank):
+    """q1 in units of each element's scale: the refresh's collective and scale_up."""
+    state = ddpcomm.CompressionState("q1", normalize=1, **FROM_START)
+    for step in range(2):
+        state.iteration = step
+        state.reduce(rank_input(rank, N, step), 0, ((N,),)).wait()
+
+
 CASES = {
     "q8 all-gather in pieces": _mean("q8", algorithm="all_gather", error_feedback=True),
     "q4 two-phase in pieces": _mean("q4", algorithm="two_phase", error_feedback=True),
     "topk sparse in pieces": _mean("topk:0.3"),
     "topk dense": _mean("topk:0.9"),
     "randk": _mean("randk:0.3"),
+    "q1 normalized (hook state)": _normalize,
     "fp16": _mean("fp16"),
     "none": _mean("none"),
     "wrappers sync and async": _wrappers,
