@@ -19,12 +19,14 @@ are rescaled with it, so the error-feedback invariant keeps holding in gradient 
 
 Per-element state (the local average and the shared scale) lives in the state's
 ``ResidualMemory`` beside the residuals: carried per parameter across DDP's bucket
-rebuild, saved and restored with the state, zeroed with the residuals after a
-non-finite step. Deterministic and identical on every rank: the shared scale is the
-output of a collective every rank decodes alike.
+rebuild, saved and restored with the state. A non-finite step zeroes the local average
+with the residuals and keeps the last shared scale. Deterministic and identical on every
+rank: the shared scale is the output of a collective every rank decodes alike.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -53,12 +55,30 @@ def scale_down(flat: torch.Tensor, c: Quantizer, ctx: ReduceContext, done: int) 
     compressed step (``done``: compressed steps before this one). Returns the scale, for
     ``scale_up``."""
     observe(flat, ctx)
-    shared = ctx.residual("scale", flat.numel(), flat.device)
+    shared = ctx.memory.get(ctx.part + "scale", ctx.key, flat.numel(), flat.device, ctx.signature)
     if done % c.normalize == 0:
         _refresh(shared, c, ctx)
+    scale = _cached(shared)
+    if scale is None:  # loaded, or carried to a new bucket: worked out once
+        scale = _cache(shared, effective_scale(shared))
     with ctx.stats.timer():
-        scale = effective_scale(shared)
         flat.div_(scale)
+    return scale
+
+
+# shared scale's id -> (a weak reference to it, its effective_scale): worked out at each
+# refresh, not at every step (three passes over the bucket and an allocation).
+_EFFECTIVE: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+def _cached(shared: torch.Tensor) -> torch.Tensor | None:
+    hit = _EFFECTIVE.get(id(shared))
+    return hit[1] if hit is not None and hit[0]() is shared else None
+
+
+def _cache(shared: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    key = id(shared)
+    _EFFECTIVE[key] = (weakref.ref(shared, lambda _: _EFFECTIVE.pop(key, None)), scale)
     return scale
 
 
@@ -92,8 +112,14 @@ def _refresh(shared: torch.Tensor, c: Quantizer, ctx: ReduceContext) -> None:
     )  # fmt: skip
     code = Quantizer(SCALE_BITS, error_feedback=False, algorithm=c.algorithm)
     new = collectives.all_reduce_mean(logs, code, sub).wait().exp2_()
-    _rescale_residuals(effective_scale(shared), effective_scale(new), c, ctx)
+    # A non-finite step's RMS (its outputs are non-finite, its residuals reset): no scale
+    # for those elements until the next refresh, rather than NaN for K steps.
+    new.nan_to_num_(0.0, 0.0, 0.0)
+    old = _cached(shared)
+    scale = effective_scale(new)
+    _rescale_residuals(effective_scale(shared) if old is None else old, scale, c, ctx)
     shared.copy_(new)
+    _cache(shared, scale)
 
 
 def _rescale_residuals(old: torch.Tensor, new: torch.Tensor, c: Quantizer, ctx) -> None:
