@@ -42,22 +42,22 @@ SCALE_BITS = 8  # the log2 RMS travel as q8 (block-wise absmax, no error feedbac
 PART = "scale:"  # the refresh's buffers and residual kinds, beside the bucket's own
 
 
-def observe(flat: torch.Tensor, ctx: ReduceContext) -> None:
+def observe(flat: torch.Tensor, ctx: ReduceContext) -> torch.Tensor:
     """Adds this step's local gradient to the local average (plain steps too, so the
-    first compressed step starts from a formed average)."""
+    first compressed step starts from a formed average), and returns that average."""
     local = ctx.residual("rms_local", flat.numel(), flat.device)
     with ctx.stats.timer():
-        local.mul_(BETA).addcmul_(flat, flat, value=1 - BETA)
+        return local.mul_(BETA).addcmul_(flat, flat, value=1 - BETA)
 
 
 def scale_down(flat: torch.Tensor, c: Quantizer, ctx: ReduceContext, done: int) -> torch.Tensor:
     """Divides ``flat`` in place by the shared scale, refreshing it first at every K-th
     compressed step (``done``: compressed steps before this one). Returns the scale, for
     ``scale_up``."""
-    observe(flat, ctx)
+    local = observe(flat, ctx)
     shared = ctx.memory.get(ctx.part + "scale", ctx.key, flat.numel(), flat.device, ctx.signature)
     if done % c.normalize == 0:
-        _refresh(shared, c, ctx)
+        _refresh(shared, local, c, ctx)
     scale = _cached(shared)
     if scale is None:  # loaded, or carried to a new bucket: worked out once
         scale = _cache(shared, effective_scale(shared))
@@ -101,10 +101,9 @@ def effective_scale(shared: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, 1.0)
 
 
-def _refresh(shared: torch.Tensor, c: Quantizer, ctx: ReduceContext) -> None:
+def _refresh(shared: torch.Tensor, local: torch.Tensor, c: Quantizer, ctx: ReduceContext) -> None:
     """The shared scale from every rank's local average: 2 ^ mean of log2 RMS. The
     residuals, in units of the old scale, are rescaled to the new one."""
-    local = ctx.memory.get("rms_local", ctx.key, shared.numel(), shared.device, ctx.signature)
     logs = local.sqrt().clamp_min_(2.0**LOG2_FLOOR).log2_()
     sub = ReduceContext(
         ctx.pg, ctx.memory, ctx.key, ctx.step, ctx.signature, ctx.stats.overhead("scale"),
@@ -143,5 +142,5 @@ def refuse(compressor, where: str) -> None:
     if k:
         raise ValueError(
             f"normalize={k} is for flat DDP comm hooks: {where} keeps no per-element scale "
-            "across steps; give normalize=0 (the default) there"
+            "across steps; give normalize=0 (its default there)"
         )
