@@ -246,14 +246,13 @@ class CompressionState:
             # Exact anyway: one all_reduce, which NCCL already routes by topology.
             return collectives.plain_all_reduce(flat, ctx)
         compressor = self.compressor_at(self.iteration)
+        done = self.iteration - self.start_iter  # compressed iterations before this one
         if normalizing:
-            done = self.iteration - self.start_iter
             scale = normalize.scale_down(flat, self.compressor, ctx, done)
             fut = collectives.all_reduce_mean(flat, compressor, ctx)
             return normalize.scale_up(fut, scale, ctx)
         if self.adaptive is not None:
-            step = self.iteration - self.start_iter
-            return self.adaptive.reduce(flat, compressor, ctx, step)
+            return self.adaptive.reduce(flat, compressor, ctx, done)
         if local is None:
             return collectives.all_reduce_mean(flat, compressor, ctx)
         ctx.stats = self._stats

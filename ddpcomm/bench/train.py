@@ -373,10 +373,10 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         result["probe"] = _probes.probe_result(probe)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     if method != "nocomm":  # replicas must stay identical under every DDP method
-        probe = torch.stack([flat.double().sum(), flat.double().square().sum()]).to(device)
-        probes = [torch.empty_like(probe) for _ in range(world)]
-        dist.all_gather(probes, probe)
-        result["replicas_identical"] = all(torch.equal(p, probes[0]) for p in probes)
+        sums = torch.stack([flat.double().sum(), flat.double().square().sum()]).to(device)
+        every_sums = [torch.empty_like(sums) for _ in range(world)]
+        dist.all_gather(every_sums, sums)
+        result["replicas_identical"] = all(torch.equal(s, every_sums[0]) for s in every_sums)
         baseline = os.path.join(common["workdir"], f"ddp_params_rank{rank}.pt")
         named = {n: p.detach().cpu() for n, p in model.named_parameters()}
         if method == "ddp":
