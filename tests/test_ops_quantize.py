@@ -429,6 +429,27 @@ def test_one_bit_error_bound(device):
     assert bool((torch.sign(deq) == torch.where(x >= 0, 1.0, -1.0)).all())
 
 
+def test_code_thresholds_match_reference(device):
+    # The 1- and 2-bit codes come from comparisons, not rounding: a block whose values sit
+    # exactly on the ternary thresholds v = +-0.5 (even rounding: code 0) and just past them,
+    # and signed zeros for the 1-bit sign, must give the reference's bits. Block of 32:
+    # 16 values of +-2 and 16 of +-1 (with -0.0 and neighbours of 1): 2-bit m = 2 (1.5 mean
+    # |x| is larger), so +-1 sits at v = +-0.5.
+    block = 32
+    up, down = 1.0 + 2.0**-23, 1.0 - 2.0**-24  # float32's neighbours of 1
+    half = [1.0, -1.0, up, -up, down, -down, 1.0, -1.0] * 2
+    x = torch.tensor([2.0, -2.0] * 8 + half)
+    zeros = torch.tensor([0.0, -0.0] * 16)
+    zeros[::5] = 1.0
+    zeros[1::7] = -1.0
+    for case in (x, zeros):
+        for bits in (1, 2):
+            packed = ops.quantize(case.to(device), None, bits, block)
+            assert torch.equal(packed.cpu(), ref.quantize(case, None, bits, block)), (bits, case)
+    deq = ops.dequantize(ops.quantize(x.to(device), None, 2, block), 32, 2, block, torch.float32)
+    assert deq.cpu()[16:].tolist() == [0.0, 0.0, 2.0, -2.0, 0.0, 0.0, 0.0, 0.0] * 2
+
+
 @pytest.mark.parametrize("bits", BITS)
 def test_stochastic_rounding_unbiased(device, bits):
     # Mean of deq over many seeds converges to x: the standard error of one draw is at

@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <type_traits>
@@ -23,6 +24,8 @@
 
 #if DDPCOMM_HAVE_AVX2
 #include <immintrin.h>
+#elif defined(__SSE2__)
+#include <emmintrin.h>
 #endif
 
 // Everything below, not the headers above, is compiled for x86-64-v3 in the AVX2 variant
@@ -320,6 +323,84 @@ void pack_codes(const uint8_t* codes, int64_t B, uint8_t* out) {
   }
 }
 
+// Bit t set where lane t of a comparison's result is true (all ones).
+LANES_INLINE uint32_t lane_mask(i32x8 c) {
+#if DDPCOMM_HAVE_AVX2
+  return (uint32_t)_mm256_movemask_ps((__m256)c);
+#elif defined(__SSE2__)
+  __m128 half[2];
+  std::memcpy(half, &c, sizeof(half));
+  return (uint32_t)(_mm_movemask_ps(half[0]) | _mm_movemask_ps(half[1]) << 4);
+#else
+  uint32_t m = 0;
+  for (int t = 0; t < kLanes; ++t) m |= (uint32_t)(c[t] != 0) << t;
+  return m;
+#endif
+}
+
+#if !DDPCOMM_HAVE_AVX2
+// Bit t of an 8-bit mask moved to bit 2t of 16 (the 2-bit codes without AVX2).
+constexpr std::array<uint16_t, 256> kSpread = [] {
+  std::array<uint16_t, 256> t{};
+  for (int v = 0; v < 256; ++v) {
+    for (int b = 0; b < 8; ++b) t[v] |= (uint16_t)(((v >> b) & 1) << (2 * b));
+  }
+  return t;
+}();
+#endif
+
+// The packed codes of deterministic 1- and 2-bit blocks (finite m > 0, pre = 1), straight
+// from comparisons: lane masks are the code bits, with no code bytes to pack (64 MB, in
+// runs taking turns with the byte codes: quantize q1 5.18 -> 4.02 ms on one thread, 2.73 ->
+// 2.32 on two; q2 6.20 -> 5.16 and 3.54 -> 2.84). 1-bit: code 1 where x >= 0, that is where x
+// < 0 is false (x is finite). 2-bit: round_even(v) clamped to [-1, 1], v = x * inv, is +1
+// exactly where v > 0.5 and -1 where v < -0.5 (0.5 itself rounds to even 0): codes 2 (bits
+// 10), 0 (00) and 1 (01) between.
+template <int kBits>
+void mask_codes(const float* __restrict e, int64_t B, float inv, uint8_t* __restrict out) {
+  if constexpr (kBits == 1) {
+    for (int64_t j = 0; j < B; j += kGroup) {
+      uint32_t neg = 0;
+      for (int s = 0; s < kSub; ++s) neg |= lane_mask(load8(e + j + kLanes * s) < 0.0f) << (8 * s);
+      const uint32_t w = ~neg;
+      std::memcpy(out + j / 8, &w, sizeof(w));
+    }
+  } else {
+#if DDPCOMM_HAVE_AVX2
+    // Codes as 32-bit lanes (1 - [v > 0.5] + [v < -0.5], the masks being -1), narrowed to
+    // bytes, then multiply-added pairwise into 4-bit and 8-bit fields: half the instructions
+    // of the masks and table below, which took 6.2 ms for a 64 MB quantize on one thread
+    // against 4.3 (same hour, not in turns).
+    for (int64_t j = 0; j < B; j += kGroup) {
+      __m256i c[kSub];
+      for (int s = 0; s < kSub; ++s) {
+        const f32x8 v = load8(e + j + kLanes * s) * inv;
+        c[s] = (__m256i)(1 - (v > 0.5f) + (v < -0.5f));
+      }
+      // Byte t of 128-bit half h: the code of element 8 * (t / 4) + 4 * h + t % 4.
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
+                                               _mm256_packs_epi32(c[2], c[3]));
+      const __m256i nibbles = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x0401));
+      const __m256i fours = _mm256_madd_epi16(nibbles, _mm256_set1_epi32(0x00100001));
+      // The low byte of each 32-bit lane (4 elements' codes), then the halves interleaved.
+      const __m256i low = _mm256_shuffle_epi8(
+          fours, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0,
+                                  4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+      const __m128i w = _mm_unpacklo_epi8(_mm256_castsi256_si128(low),
+                                          _mm256_extracti128_si256(low, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j / 4), w);
+    }
+#else
+    for (int64_t j = 0; j < B; j += kLanes) {
+      const f32x8 v = load8(e + j) * inv;
+      const uint32_t pos = lane_mask(v > 0.5f), neg = lane_mask(v < -0.5f);
+      const uint16_t w = (uint16_t)(kSpread[~(pos | neg) & 0xFFu] | kSpread[pos] << 1);
+      std::memcpy(out + j / 4, &w, sizeof(w));
+    }
+#endif
+  }
+}
+
 // Writes the record of one block `e` (B values, zero past the valid ones) of magnitude m.
 // 8-bit codes go straight into the record, narrower ones through `codes` (B bytes).
 template <int kBits, bool kStochastic>
@@ -327,6 +408,12 @@ void write_record(const float* e, int64_t B, float m, uint64_t key, int64_t inde
                   uint8_t* codes) {
   std::memcpy(record, &m, sizeof(float));
   uint8_t* out = record + kScaleBytes;
+  if constexpr (kBits <= 2 && !kStochastic) {
+    if (!block_is_degenerate(m) && block_inv(m, kBits).pre == 1.0f) {
+      mask_codes<kBits>(e, B, block_inv(m, kBits).inv, out);
+      return;
+    }
+  }
   block_codes<kBits, kStochastic>(e, B, m, key, index0, kBits == 8 ? out : codes);
   if (kBits != 8) pack_codes<kBits>(codes, B, out);
 }
