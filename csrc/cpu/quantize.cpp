@@ -378,16 +378,16 @@ void mask_codes(const float* __restrict e, int64_t B, float inv, uint8_t* __rest
         c[s] = (__m256i)(1 - (v > 0.5f) + (v < -0.5f));
       }
       // Byte t of 128-bit half h: the code of element 8 * (t / 4) + 4 * h + t % 4.
-      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
-                                               _mm256_packs_epi32(c[2], c[3]));
+      const __m256i bytes =
+          _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
       const __m256i nibbles = _mm256_maddubs_epi16(bytes, _mm256_set1_epi16(0x0401));
       const __m256i fours = _mm256_madd_epi16(nibbles, _mm256_set1_epi32(0x00100001));
       // The low byte of each 32-bit lane (4 elements' codes), then the halves interleaved.
       const __m256i low = _mm256_shuffle_epi8(
-          fours, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0,
-                                  4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
-      const __m128i w = _mm_unpacklo_epi8(_mm256_castsi256_si128(low),
-                                          _mm256_extracti128_si256(low, 1));
+          fours, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4,
+                                  8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+      const __m128i w =
+          _mm_unpacklo_epi8(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j / 4), w);
     }
 #else
