@@ -277,4 +277,35 @@ inline int64_t check_randk_decompress(const at::Tensor& values, const at::Tensor
   return check_strata(start, end, values.numel(), op);
 }
 
+// scale_into: x a float tensor; scale and the optional average contiguous float32 tensors of
+// x's numel on x's device, apart from x and each other; beta in [0, 1).
+inline void check_scale_into(const at::Tensor& x, const std::optional<at::Tensor>& average,
+                             const at::Tensor& scale, double beta) {
+  const char* op = "scale_into";
+  check_float_tensor(x, "x", op);
+  TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous");
+  TORCH_CHECK(beta >= 0.0 && beta < 1.0, op, ": beta must be in [0, 1), got ", beta);
+  auto like_x = [&](const at::Tensor& t, const char* arg) {
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == x.numel() &&
+                    t.device() == x.device(),
+                op, ": ", arg, " must be a contiguous float32 tensor of x's ", x.numel(),
+                " elements on ", x.device(), ", got ", t.scalar_type(), " of ", t.numel(), " on ",
+                t.device());
+    check_apart(t, arg, x, "x", op);
+  };
+  like_x(scale, "scale");
+  if (average) {
+    like_x(*average, "average");
+    check_apart(*average, "average", scale, "scale", op);
+  }
+}
+
+// scale_into as torch ops: the arithmetic of the CPU kernel (and of reference.scale_into),
+// for every other device and dtype.
+inline void scale_into_aten(const at::Tensor& x, const std::optional<at::Tensor>& average,
+                            const at::Tensor& scale, double beta) {
+  if (average) average->mul_(beta).addcmul_(x, x, 1.0 - beta);
+  x.div_(scale);
+}
+
 }  // namespace ddpcomm

@@ -7,6 +7,8 @@
 
 #include <string>
 
+#include "checks.h"
+
 // One native form per operation: every op writes into caller-owned buffers, and
 // ddpcomm/ops.py allocates them (reusing a buffer saves an allocation and its first-touch
 // page faults on every call). `flatten` alone also returns a new tensor: see below.
@@ -54,6 +56,20 @@ TORCH_LIBRARY(ddpcomm, m) {
   m.def(
       "randk_decompress_into(Tensor values, Tensor(a!) out, int seed, int step, int bucket, "
       "int divisor, int start=0, int end=-1) -> ()");
+
+  // A quantizer's normalize (ddpcomm/normalize.py): x /= scale, after average = beta * average
+  // + (1 - beta) * x^2 where an average is given. CPU and float32 only: elsewhere ops.py runs
+  // the same arithmetic as torch ops (reference.scale_into).
+  m.def("scale_into(Tensor(a!) x, Tensor(b!)? average, Tensor scale, float beta) -> ()");
+}
+
+// scale_into where no device has its own kernel (CUDA: memory-bound passes there anyway).
+TORCH_LIBRARY_IMPL(ddpcomm, CompositeExplicitAutograd, m) {
+  m.impl("scale_into", [](const at::Tensor& x, const std::optional<at::Tensor>& average,
+                          const at::Tensor& scale, double beta) {
+    ddpcomm::check_scale_into(x, average, scale, beta);
+    ddpcomm::scale_into_aten(x, average, scale, beta);
+  });
 }
 
 namespace {

@@ -57,6 +57,8 @@ def all_reduce_mean(flat: torch.Tensor, compressor: Compressor, ctx: ReduceConte
     if flat.dim() != 1 or not flat.is_contiguous():
         raise ValueError("all_reduce_mean takes a contiguous 1-D tensor")
     compressor.check_tensor(flat, "tensor")
+    if ctx.scaling is not None and not isinstance(compressor, Quantizer):
+        raise TypeError(f"{type(compressor).__name__} reductions take no normalize scaling")
     if isinstance(compressor, Quantizer):
         if compressor.resolve_algorithm(dist.get_world_size(ctx.pg)) == "all_gather":
             return _quantized_all_gather(flat, compressor, ctx)
@@ -246,6 +248,8 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
     def prepare(i):
         (r0, r1), (e0, e1) = pieces[i], elements(i)
         with ctx.stats.timer():
+            if ctx.scaling is not None:
+                ctx.scaling.down(e0, e1)
             ops.quantize(
                 flat[e0:e1],
                 None if residual is None else residual[e0:e1],
@@ -261,9 +265,10 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
     def land(i, rows):
         e0, e1 = elements(i)
         with ctx.stats.timer():
-            return ops.dequantize_sum(
+            out = ops.dequantize_sum(
                 rows, e1 - e0, q.bits, block, world, flat.dtype, out=flat[e0:e1]
             )
+            return out if ctx.scaling is None else ctx.scaling.up(out, e0, e1)
 
     spans = [(r0 * rec, r1 * rec) for r0, r1 in pieces]
     futures = _gather_pieces(packed, gathered, spans, pg, prepare, land, link)
@@ -311,6 +316,8 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
             for d in range(world):
                 e0, e1 = elements(d, c0, c1)
                 if e1 > e0:
+                    if ctx.scaling is not None:
+                        ctx.scaling.down(e0, e1)
                     ops.quantize(
                         flat[e0:e1],
                         None if residual is None else residual[e0:e1],
@@ -382,15 +389,19 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
             with ctx.stats.timer():
                 if (c0, c1) == (0, per_chunk):  # one piece: whole chunks, in tensor order
                     ops.dequantize(gathered[: records * rec], n, bits, block, flat.dtype, out=flat)
+                    if ctx.scaling is not None:
+                        ctx.scaling.up(flat, 0, n)
                 else:
                     rows = rows.view(world, (c1 - c0) * rec)
                     for d in range(world):
                         e0, e1 = elements(d, c0, c1)
                         if e1 > e0:
                             payload = rows[d, : math.ceil((e1 - e0) / block) * rec]
-                            ops.dequantize(
+                            out = ops.dequantize(
                                 payload, e1 - e0, bits, block, flat.dtype, out=flat[e0:e1]
                             )
+                            if ctx.scaling is not None:
+                                ctx.scaling.up(out, e0, e1)
             resolve(result, flat)
         except Exception as exc:  # noqa: BLE001 - handed to the waiter, not swallowed
             fail(result, exc)

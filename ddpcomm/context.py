@@ -610,6 +610,7 @@ class ReduceContext:
         "workspace",
         "residuals",
         "part",
+        "scaling",
     )
 
     def __init__(
@@ -632,6 +633,8 @@ class ReduceContext:
         self.workspace = workspace
         self.residuals: list[torch.Tensor] = []  # handed out by residual(), for resets
         self.part = part
+        # A quantizer's normalize.Scaling for this step, applied piece by piece, or None.
+        self.scaling = None
 
     def across(self, group: dist.ProcessGroup) -> ReduceContext:
         """The context of a two-level reduction's cross-node step, over ``group``: the same

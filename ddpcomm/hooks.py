@@ -248,9 +248,8 @@ class CompressionState:
         compressor = self.compressor_at(self.iteration)
         done = self.iteration - self.start_iter  # compressed iterations before this one
         if normalizing:
-            scale = normalize.scale_down(flat, self.compressor, ctx, done)
-            fut = collectives.all_reduce_mean(flat, compressor, ctx)
-            return normalize.scale_up(fut, scale, ctx)
+            ctx.scaling = normalize.scaling(flat, self.compressor, ctx, done)
+            return collectives.all_reduce_mean(flat, compressor, ctx)
         if self.adaptive is not None:
             return self.adaptive.reduce(flat, compressor, ctx, done)
         if local is None:

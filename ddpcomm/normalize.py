@@ -30,10 +30,9 @@ import weakref
 
 import torch
 
-from ddpcomm import collectives, layout
+from ddpcomm import collectives, layout, ops
 from ddpcomm.compressors import Quantizer
 from ddpcomm.context import ReduceContext
-from ddpcomm.futures import Future, then
 
 BETA = 0.95  # the local average's decay per step: a horizon of about 20 steps
 LOG2_FLOOR = -40.0  # RMS below 2^-40 counts as 2^-40 (log2 of zero is -inf)
@@ -46,24 +45,47 @@ def observe(flat: torch.Tensor, ctx: ReduceContext) -> torch.Tensor:
     """Adds this step's local gradient to the local average (plain steps too, so the
     first compressed step starts from a formed average), and returns that average."""
     local = ctx.residual("rms_local", flat.numel(), flat.device)
-    with ctx.stats.timer():
+    with ctx.stats.timer():  # ops.scale_into's arithmetic, without the division
         return local.mul_(BETA).addcmul_(flat, flat, value=1 - BETA)
 
 
-def scale_down(flat: torch.Tensor, c: Quantizer, ctx: ReduceContext, done: int) -> torch.Tensor:
-    """Divides ``flat`` in place by the shared scale, refreshing it first at every K-th
-    compressed step (``done``: compressed steps before this one). Returns the scale, for
-    ``scale_up``."""
-    local = observe(flat, ctx)
+class Scaling:
+    """A bucket in units of the shared scale, range by range: ``down(e0, e1)`` divides
+    elements [e0, e1) of the bucket by their scale (adding them to the local average first,
+    unless this step's refresh already did), ``up(out, e0, e1)`` multiplies the codec's mean
+    of those elements back. The quantizers call them for each piece as it is quantized and
+    as it lands, so that these passes run while other pieces are on the wire; every element
+    goes down once and up once, and each is elementwise, so the pieces give the bits of one
+    pass over the bucket. Untimed: the callers' own timers count them."""
+
+    __slots__ = ("flat", "local", "scale", "observing")
+
+    def __init__(self, flat, local, scale, observing: bool) -> None:
+        self.flat, self.local, self.scale, self.observing = flat, local, scale, observing
+
+    def down(self, e0: int, e1: int) -> None:
+        average = self.local[e0:e1] if self.observing else None
+        ops.scale_into(self.flat[e0:e1], average, self.scale[e0:e1], BETA)
+
+    def up(self, out: torch.Tensor, e0: int, e1: int) -> torch.Tensor:
+        return out.mul_(self.scale[e0:e1])
+
+
+def scaling(flat: torch.Tensor, c: Quantizer, ctx: ReduceContext, done: int) -> Scaling:
+    """The bucket's Scaling for this compressed step (``done``: compressed steps before
+    it), refreshing the shared scale first at every K-th: the refresh needs the whole
+    local average, so that step adds the gradient to it here, not range by range."""
     shared = ctx.memory.get(ctx.part + "scale", ctx.key, flat.numel(), flat.device, ctx.signature)
-    if done % c.normalize == 0:
+    refresh = done % c.normalize == 0
+    if refresh:
+        local = observe(flat, ctx)
         _refresh(shared, local, c, ctx)
+    else:
+        local = ctx.residual("rms_local", flat.numel(), flat.device)
     scale = _cached(shared)
     if scale is None:  # loaded, or carried to a new bucket: worked out once
         scale = _cache(shared, effective_scale(shared))
-    with ctx.stats.timer():
-        flat.div_(scale)
-    return scale
+    return Scaling(flat, local, scale, observing=not refresh)
 
 
 # shared scale's id -> (a weak reference to it, its effective_scale): worked out at each
@@ -80,17 +102,6 @@ def _cache(shared: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     key = id(shared)
     _EFFECTIVE[key] = (weakref.ref(shared, lambda _: _EFFECTIVE.pop(key, None)), scale)
     return scale
-
-
-def scale_up(fut: Future, scale: torch.Tensor, ctx: ReduceContext) -> Future:
-    """The Future of the scaled mean, multiplied back into gradient units."""
-
-    def unscale(f: Future) -> torch.Tensor:
-        out = f.value()
-        with ctx.stats.timer():
-            return out.mul_(scale)
-
-    return then(fut, unscale)
 
 
 def effective_scale(shared: torch.Tensor) -> torch.Tensor:

@@ -750,6 +750,43 @@ def randk_decompress(
     return out
 
 
+def _check_scale_into(x, average, scale, beta, op="scale_into"):
+    _check_float_tensor(x, "x", op)
+    _check(x.is_contiguous(), f"{op}: x must be contiguous")
+    _check(
+        isinstance(beta, float) and 0.0 <= beta < 1.0, f"{op}: beta must be in [0, 1), got {beta}"
+    )
+    for t, arg in ((scale, "scale"), (average, "average")):
+        if t is None:
+            continue
+        _check(
+            t.dtype == torch.float32
+            and t.is_contiguous()
+            and t.numel() == x.numel()
+            and t.device == x.device,
+            f"{op}: {arg} must be a contiguous float32 tensor of x's {x.numel()} elements on "
+            f"{x.device}, got {_name(t.dtype)} of {t.numel()} on {t.device}",
+        )
+        _check_apart(t, arg, x, "x", op)
+    _check_apart(average, "average", scale, "scale", op)
+
+
+def scale_into(
+    x: torch.Tensor, average: torch.Tensor | None, scale: torch.Tensor, beta: float
+) -> None:
+    """``x /= scale`` in place, after ``average = beta * average + (1 - beta) * x**2`` when
+    an ``average`` is given (normalize.py's step, reference.scale_into's arithmetic): one
+    native pass over a float32 bucket on the CPU, torch's ops elsewhere. ``scale`` and
+    ``average`` are float32 tensors of x's size."""
+    _check_scale_into(x, average, scale, beta)
+    _ops.scale_into(x, average, scale, beta)
+
+
+@torch.library.register_fake("ddpcomm::scale_into")
+def _(x, average, scale, beta):
+    _check_scale_into(x, average, scale, beta)
+
+
 @torch.library.register_fake("ddpcomm::topk_compress_into")
 def _(x, residual, out, k, approximate=False, seed=0, step=0, value_dtype=None):
     op = "topk_compress"

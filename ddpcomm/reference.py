@@ -501,3 +501,11 @@ def randk_decompress(
     idx = randk_indices(numel, k, seed, step, bucket)[start:end] - lo
     out[idx] = values[start:end].float() / float(divisor)
     return canonical(out.to(dtype))
+
+
+def scale_into(x: torch.Tensor, average: torch.Tensor | None, scale: torch.Tensor, beta: float):
+    """normalize's step in place: ``average = beta * average + (1 - beta) * x * x`` (torch's
+    addcmul_: on a CPU with FMA, fma((1 - beta) * x, x, beta * average)), then ``x /= scale``."""
+    if average is not None:
+        average.mul_(beta).addcmul_(x, x, value=1 - beta)
+    x.div_(scale)

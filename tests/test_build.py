@@ -73,6 +73,9 @@ def kernel_digests() -> dict[str, str]:
         residual = floats(n, next(seeds)) * 0.1
         values = ops.randk_compress(x, residual, n // 100, 4, 5, 6)
         put(f"randk-{dtype}", values, residual, ops.randk_decompress(values, n, 4, 5, 6, 2, dtype))
+    x, average = floats(n, next(seeds)) * 10, floats(n, next(seeds)).abs()
+    ops.scale_into(x, average, floats(n, next(seeds)).abs() + 0.01, 0.95)
+    put("scale", x, average)
     return out
 
 

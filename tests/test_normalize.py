@@ -1,17 +1,20 @@
 """``normalize=K``: quantizing each element in units of its own gradient RMS, shared every
 K compressed steps. Checked: the spec and where it is refused; that an element far
 smaller than its block's others keeps a relative error of its own size; identical
-results and counted refresh bytes at 2 and 3 ranks; a non-finite step. Carrying the
-scales across layout changes and resumes is in test_checkpoint.py."""
+results and counted refresh bytes at 2 and 3 ranks; a non-finite step; the native step
+(ops.scale_into) against its reference. Carrying the scales across layout changes and
+resumes is in test_checkpoint.py."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import ddpcomm
-from ddpcomm import agreement, compressors, fsdp, normalize, traced, wrappers
+from ddpcomm import agreement, compressors, fsdp, normalize, ops, reference, traced, wrappers
 from tests.ddp_utils import FROM_START
 from tests.dist_utils import run_ranks
 
@@ -148,3 +151,49 @@ def test_effective_scale_floors():
     assert torch.equal(normalize.effective_scale(torch.zeros(3)), torch.ones(3))
     s = normalize.effective_scale(torch.tensor([0.0, 1.0, 2.0]))
     assert torch.allclose(s, torch.tensor([normalize.RELATIVE_FLOOR, 1.0, 2.0]))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_scale_into_matches_reference(threads):
+    # Bitwise: the CPU kernel (float32) and torch's ops (other dtypes), at sizes that leave
+    # vector tails and split over threads; the average only where one is given.
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(threads)
+        for n in (1, 7, 1000, (1 << 17) + 5):
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                x = (torch.randn(n, generator=g) * 30).to(dtype)
+                average = torch.rand(n, generator=g)
+                scale = torch.rand(n, generator=g) + 0.01
+                for avg in (average, None):
+                    got_x, want_x = x.clone(), x.clone()
+                    got_a = None if avg is None else avg.clone()
+                    want_a = None if avg is None else avg.clone()
+                    ops.scale_into(got_x, got_a, scale, normalize.BETA)
+                    reference.scale_into(want_x, want_a, scale, normalize.BETA)
+                    assert torch.equal(got_x, want_x), (n, dtype)
+                    assert avg is None or torch.equal(got_a, want_a), (n, dtype)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_scale_into_bad_inputs_name_the_argument():
+    x, s = torch.randn(8), torch.rand(8)
+    bad = [
+        ((x, None, s.double(), 0.9), "scale must be a contiguous float32"),
+        ((x, torch.rand(7), s, 0.9), "average must be a contiguous float32"),
+        ((x, None, torch.rand(16)[::2], 0.9), "scale must be a contiguous float32"),
+        ((x, None, s, 1.0), "beta must be in [0, 1)"),
+        ((x, None, x, 0.9), "scale and x share memory"),
+        ((x, s, s, 0.9), "average and scale share memory"),
+        ((x.int(), None, s, 0.9), "x must be float32, float16 or bfloat16"),
+    ]
+    for args, message in bad:
+        pattern = re.escape(f"scale_into: {message}")
+        with pytest.raises((ValueError, RuntimeError), match=pattern):
+            ops.scale_into(*args)
+        with pytest.raises((ValueError, RuntimeError), match=pattern):
+            torch.ops.ddpcomm.scale_into(*args)  # the native checks, without the wrapper's
+    torch.library.opcheck(torch.ops.ddpcomm.scale_into.default, (x.clone(), s.clone(), s, 0.9))
+    torch.library.opcheck(torch.ops.ddpcomm.scale_into.default, (x.half(), None, s, 0.9))
