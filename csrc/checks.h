@@ -128,12 +128,21 @@ inline void check_quantize(const at::Tensor& x, const std::optional<at::Tensor>&
 // dequantize_sum_into: `out`'s numel and dtype say what to decode (ops.dequantize is one row
 // and divisor 1, checked as "dequantize" in Python first).
 inline void check_dequantize_sum(const at::Tensor& payloads, const at::Tensor& out, int64_t bits,
-                                 int64_t block_size, int64_t divisor) {
+                                 int64_t block_size, int64_t divisor,
+                                 const std::optional<at::Tensor>& scale) {
   const char* op = "dequantize_sum";
   check_payloads(payloads, 2, out.numel(), bits, block_size, out.scalar_type(), op);
   check_out(out, out.scalar_type(), out.numel(), payloads.device(), op);
   TORCH_CHECK(divisor >= 1, op, ": divisor must be >= 1, got ", divisor);
   check_apart(out, "out", payloads, "payloads", op);
+  if (scale) {
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
+                    scale->numel() == out.numel() && scale->device() == out.device(),
+                op, ": scale must be a contiguous float32 tensor of out's ", out.numel(),
+                " elements on ", out.device(), ", got ", scale->scalar_type(), " of ",
+                scale->numel(), " on ", scale->device());
+    check_apart(*scale, "scale", out, "out", op);
+  }
 }
 
 // dequantize_sum_requantize_into: `out` holds at least the payload of numel elements.

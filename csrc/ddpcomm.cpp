@@ -20,9 +20,11 @@ TORCH_LIBRARY(ddpcomm, m) {
   m.def(
       "quantize_into(Tensor x, Tensor(a!)? residual, Tensor(b!) out, int bits, int block_size, "
       "bool stochastic=False, int seed=0, int step=0, int rng_offset=0) -> ()");
+  // scale: out's values multiplied by it elementwise after the division (a quantizer's
+  // normalize, ddpcomm/normalize.py): out.mul_(scale)'s numbers, with canonical NaNs.
   m.def(
       "dequantize_sum_into(Tensor payloads, Tensor(a!) out, int bits, int block_size, "
-      "int divisor) -> ()");
+      "int divisor, Tensor? scale=None) -> ()");
   m.def(
       "dequantize_sum_requantize_into(Tensor payloads, Tensor(a!)? residual, Tensor(b!) out, "
       "int numel, int bits, int block_size, int divisor, bool stochastic=False, int seed=0, "

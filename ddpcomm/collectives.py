@@ -265,10 +265,9 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
     def land(i, rows):
         e0, e1 = elements(i)
         with ctx.stats.timer():
-            out = ops.dequantize_sum(
-                rows, e1 - e0, q.bits, block, world, flat.dtype, out=flat[e0:e1]
+            return ops.dequantize_sum(
+                rows, e1 - e0, q.bits, block, world, flat.dtype, flat[e0:e1], _scale(ctx, e0, e1)
             )
-            return out if ctx.scaling is None else ctx.scaling.up(out, e0, e1)
 
     spans = [(r0 * rec, r1 * rec) for r0, r1 in pieces]
     futures = _gather_pieces(packed, gathered, spans, pg, prepare, land, link)
@@ -388,20 +387,18 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
             fut.wait()
             with ctx.stats.timer():
                 if (c0, c1) == (0, per_chunk):  # one piece: whole chunks, in tensor order
-                    ops.dequantize(gathered[: records * rec], n, bits, block, flat.dtype, out=flat)
-                    if ctx.scaling is not None:
-                        ctx.scaling.up(flat, 0, n)
+                    whole = gathered[: records * rec]
+                    ops.dequantize(whole, n, bits, block, flat.dtype, flat, _scale(ctx, 0, n))
                 else:
                     rows = rows.view(world, (c1 - c0) * rec)
                     for d in range(world):
                         e0, e1 = elements(d, c0, c1)
                         if e1 > e0:
                             payload = rows[d, : math.ceil((e1 - e0) / block) * rec]
-                            out = ops.dequantize(
-                                payload, e1 - e0, bits, block, flat.dtype, out=flat[e0:e1]
-                            )
-                            if ctx.scaling is not None:
-                                ctx.scaling.up(out, e0, e1)
+                            ops.dequantize(
+                                payload, e1 - e0, bits, block, flat.dtype, flat[e0:e1],
+                                _scale(ctx, e0, e1),
+                            )  # fmt: skip
             resolve(result, flat)
         except Exception as exc:  # noqa: BLE001 - handed to the waiter, not swallowed
             fail(result, exc)
@@ -430,6 +427,11 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
         return done
     # Every rank decodes every record, so all agree on whether the step was finite.
     return then(done, lambda f: _reset_unless(ctx, _magnitudes_finite(gathered, rec), f))
+
+
+def _scale(ctx: ReduceContext, e0: int, e1: int) -> torch.Tensor | None:
+    """What the decode of elements [e0, e1) multiplies by: the normalize scale, or None."""
+    return None if ctx.scaling is None else ctx.scaling.scale[e0:e1]
 
 
 def _stream_seed(seed: int, key) -> int:

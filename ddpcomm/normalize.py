@@ -52,11 +52,12 @@ def observe(flat: torch.Tensor, ctx: ReduceContext) -> torch.Tensor:
 class Scaling:
     """A bucket in units of the shared scale, range by range: ``down(e0, e1)`` divides
     elements [e0, e1) of the bucket by their scale (adding them to the local average first,
-    unless this step's refresh already did), ``up(out, e0, e1)`` multiplies the codec's mean
-    of those elements back. The quantizers call them for each piece as it is quantized and
-    as it lands, so that these passes run while other pieces are on the wire; every element
-    goes down once and up once, and each is elementwise, so the pieces give the bits of one
-    pass over the bucket. Untimed: the callers' own timers count them."""
+    unless this step's refresh already did); ``scale[e0:e1]`` is what the codec's mean of
+    them is multiplied by on the way back (the dequantize ops' ``scale``). The quantizers
+    take them for each piece as it is quantized and as it lands, so that these passes run
+    while other pieces are on the wire; every element goes down once and up once, and each
+    is elementwise, so the pieces give the bits of one pass over the bucket. Untimed: the
+    callers' own timers count them."""
 
     __slots__ = ("flat", "local", "scale", "observing")
 
@@ -66,9 +67,6 @@ class Scaling:
     def down(self, e0: int, e1: int) -> None:
         average = self.local[e0:e1] if self.observing else None
         ops.scale_into(self.flat[e0:e1], average, self.scale[e0:e1], BETA)
-
-    def up(self, out: torch.Tensor, e0: int, e1: int) -> torch.Tensor:
-        return out.mul_(self.scale[e0:e1])
 
 
 def scaling(flat: torch.Tensor, c: Quantizer, ctx: ReduceContext, done: int) -> Scaling:

@@ -299,8 +299,10 @@ def dequantize(
     block_size: int,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The ``numel`` values a payload encodes, in ``dtype`` (or written into ``out``).
+    """The ``numel`` values a payload encodes, in ``dtype`` (or written into ``out``), times
+    ``scale`` elementwise where given (as :func:`dequantize_sum`).
 
     The native op is ``dequantize_sum`` of one row with divisor 1: the same bits, since the
     sum of one payload starts from 0 and x / 1 == x.
@@ -314,7 +316,8 @@ def dequantize(
         _check_out(out, numel, dtype, op)
         _check_out_buffer(out, dtype, numel, packed.device, op)
         _check_apart(out, "out", packed, "packed", op)
-    _ops.dequantize_sum_into(packed.view(1, -1), out, bits, block_size, 1)
+    _check_scale(scale, out, "dequantize_sum")
+    _ops.dequantize_sum_into(packed.view(1, -1), out, bits, block_size, 1, scale)
     return out
 
 
@@ -326,8 +329,11 @@ def dequantize_sum(
     divisor: int,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Row-order fp32 sum of the [N, P] payloads' values, divided by ``divisor``.
+    """Row-order fp32 sum of the [N, P] payloads' values, divided by ``divisor``, then
+    (where given) multiplied by ``scale``, a contiguous float32 tensor of ``numel``
+    elements, in one pass: ``out.mul_(scale)``'s numbers, with canonical NaNs.
 
     N >= 1, and P is exactly ``payload_bytes(numel, bits, block_size)``: a payload of other
     settings (another bit width, say) has another size and raises instead of decoding.
@@ -338,7 +344,8 @@ def dequantize_sum(
         out = payloads.new_empty(numel, dtype=dtype)
     else:
         _check_out(out, numel, dtype, "dequantize_sum")
-    _ops.dequantize_sum_into(payloads, out, bits, block_size, divisor)
+    _check_scale(scale, out, "dequantize_sum")
+    _ops.dequantize_sum_into(payloads, out, bits, block_size, divisor, scale)
     return out
 
 
@@ -396,13 +403,29 @@ def _(x, residual, out, bits, block_size, stochastic=False, seed=0, step=0, rng_
     _check_apart(residual, "residual", out, "out", op)
 
 
+def _check_scale(scale, out, op):
+    """checks.h check_dequantize_sum's scale."""
+    if scale is None:
+        return
+    _check(
+        scale.dtype == torch.float32
+        and scale.is_contiguous()
+        and scale.numel() == out.numel()
+        and scale.device == out.device,
+        f"{op}: scale must be a contiguous float32 tensor of out's {out.numel()} elements on "
+        f"{out.device}, got {_name(scale.dtype)} of {scale.numel()} on {scale.device}",
+    )
+    _check_apart(scale, "scale", out, "out", op)
+
+
 @torch.library.register_fake("ddpcomm::dequantize_sum_into")
-def _(payloads, out, bits, block_size, divisor):
+def _(payloads, out, bits, block_size, divisor, scale=None):
     op = "dequantize_sum"
     _check_payloads(payloads, 2, out.numel(), bits, block_size, out.dtype, op)
     _check_out_buffer(out, out.dtype, out.numel(), payloads.device, op)
     _check(divisor >= 1, f"{op}: divisor must be >= 1, got {divisor}")
     _check_apart(out, "out", payloads, "payloads", op)
+    _check_scale(scale, out, op)
 
 
 @torch.library.register_fake("ddpcomm::dequantize_sum_requantize_into")

@@ -222,12 +222,17 @@ def _decode(packed: torch.Tensor, numel: int, bits: int, block_size: int) -> tor
 
 
 def dequantize(
-    packed: torch.Tensor, numel: int, bits: int, block_size: int, dtype: torch.dtype
+    packed: torch.Tensor,
+    numel: int,
+    bits: int,
+    block_size: int,
+    dtype: torch.dtype,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ``numel`` values a payload encodes, in ``dtype``: :func:`dequantize_sum` of the one
     payload with divisor 1. Its fp32 sum starts from +0, so a value of -0 (a negative scale
     times level 0, in a payload quantize never makes) reads +0."""
-    return dequantize_sum(packed.reshape(1, -1), numel, bits, block_size, 1, dtype)
+    return dequantize_sum(packed.reshape(1, -1), numel, bits, block_size, 1, dtype, scale)
 
 
 def dequantize_sum(
@@ -237,12 +242,16 @@ def dequantize_sum(
     block_size: int,
     divisor: int,
     dtype: torch.dtype,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sum of the [N, P] payloads' values in row order in fp32, divided by ``divisor``."""
+    """Sum of the [N, P] payloads' values in row order in fp32, divided by ``divisor``, in
+    ``dtype``; then, with a ``scale``, multiplied by it in fp32 and rounded to ``dtype``
+    again (``out.mul_(scale)``'s numbers, with canonical NaNs)."""
     s = torch.zeros(numel, dtype=torch.float32)
     for row in payloads:
         s = s + _decode(row, numel, bits, block_size)
-    return canonical((s / float(divisor)).to(dtype))
+    out = canonical((s / float(divisor)).to(dtype))
+    return out if scale is None else canonical((out.float() * scale).to(dtype))
 
 
 def dequantize_sum_requantize(

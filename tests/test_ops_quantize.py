@@ -273,6 +273,53 @@ def test_dequantize_sum_matches_reference(device, bits, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", BITS)
+def test_dequantize_sum_times_a_scale(device, bits, dtype):
+    # The normalize path: out.mul_(scale) folded into the decode, with its numbers (one
+    # rounding of the product for fp32, a second one to the dtype for 16-bit outputs) and
+    # canonical NaNs (a non-finite block).
+    for n in (1, 1000, 2**16 + 5):
+        x = _input(n, torch.float32, n)
+        x[n // 2] = float("nan")
+        payloads = torch.stack(
+            [ops.quantize(x, None, bits, 128), ops.quantize(-x, None, bits, 128)]
+        )
+        scale = torch.rand(n, generator=torch.Generator().manual_seed(n)) * 1e3 + 1e-3
+        for divisor in (1, 2):
+            got = ops.dequantize_sum(
+                payloads.to(device), n, bits, 128, divisor, dtype, scale=scale.to(device)
+            )
+            want = oracle(device).dequantize_sum(
+                payloads, n, bits, 128, divisor, dtype, scale=scale
+            )
+            assert_same_bits(got, want)
+            plain = ops.dequantize_sum(payloads.to(device), n, bits, 128, divisor, dtype)
+            plain.mul_(scale.to(device))
+            assert torch.equal(got.isnan(), plain.isnan())  # torch's NaN bits vary by path
+            assert torch.equal(got.nan_to_num(), plain.nan_to_num())
+        one = ops.dequantize(payloads[0].to(device), n, bits, 128, dtype, scale=scale.to(device))
+        assert_same_bits(
+            one, oracle(device).dequantize(payloads[0], n, bits, 128, dtype, scale=scale)
+        )
+
+
+def test_dequantize_sum_bad_scales(device):
+    p = ops.quantize(torch.randn(100, device=device), None, 8, 64).view(1, -1)
+    out = torch.empty(100, device=device)
+    for scale in (torch.ones(99), torch.ones(100, dtype=torch.float64), torch.ones(200)[::2]):
+        with pytest.raises(
+            RuntimeError, match="dequantize_sum: scale must be a contiguous float32"
+        ):
+            ops.dequantize_sum(p, 100, 8, 64, 1, torch.float32, out, scale.to(device))
+        with pytest.raises(
+            RuntimeError, match="dequantize_sum: scale must be a contiguous float32"
+        ):
+            torch.ops.ddpcomm.dequantize_sum_into(p, out, 8, 64, 1, scale.to(device))
+    with pytest.raises(ValueError, match="dequantize_sum: scale and out share memory"):
+        ops.dequantize_sum(p, 100, 8, 64, 1, torch.float32, out, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("block", [32, 1024, 16384])
 def test_dequantize_sum_arbitrary_rows(device, block, bits, dtype):
     sizes = [0, 1, block - 1, block + 1] + (LARGE if device == "cuda" else [])
@@ -512,6 +559,10 @@ def test_opcheck_every_op(device):
         (
             torch.ops.ddpcomm.dequantize_sum_into.default,
             (payloads, torch.empty(1000, dtype=torch.float16, device=device), 4, 64, 2),
+        ),
+        (
+            torch.ops.ddpcomm.dequantize_sum_into.default,
+            (payloads, torch.empty(1000, device=device), 4, 64, 2, r + 2),
         ),
         (
             torch.ops.ddpcomm.dequantize_sum_requantize_into.default,

@@ -436,12 +436,14 @@ struct Divide {
 // What sum_rows writes for each element's row sum a.
 enum class SumTo {
   kResult,   // dst = canonical(a / divisor): the fp32 result of dequantize_sum
+  kScaled,   // dst = the same times res[j] (a scale), canonical again
   kSum,      // dst = a, for another result dtype to convert
   kRequant,  // dst = S = a (+ res), e = S / divisor: requantize's sum and the values it encodes
 };
 
 // Sums element j of block `blk` of every payload row in row order in fp32, from 0 (so a lone
-// -0 reads +0), for j < valid, and writes what kTo says. A group's sums stay in registers
+// -0 reads +0), for j < valid, and writes what kTo says. `res` is the block's residual
+// (kRequant) or its scale (kScaled). A group's sums stay in registers
 // across the rows, and requantize's residual add and divide ride on the same pass (as
 // separate loops over the block they cost it 0.05 ns an element).
 template <int kBits, SumTo kTo>
@@ -462,6 +464,8 @@ void sum_rows(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t blk, i
       const int64_t j = kGroup * q + kLanes * s;
       if constexpr (kTo == SumTo::kResult) {
         store8(dst + j, canonical8(d(a[s])));
+      } else if constexpr (kTo == SumTo::kScaled) {
+        store8(dst + j, canonical8(canonical8(d(a[s])) * load8(res + j)));
       } else if constexpr (kTo == SumTo::kSum) {
         store8(dst + j, a[s]);
       } else {
@@ -479,6 +483,8 @@ void sum_rows(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t blk, i
     }
     if constexpr (kTo == SumTo::kResult) {
       dst[j] = canonical(d(a));
+    } else if constexpr (kTo == SumTo::kScaled) {
+      dst[j] = canonical(canonical(d(a)) * res[j]);
     } else if constexpr (kTo == SumTo::kSum) {
       dst[j] = a;
     } else {
@@ -497,6 +503,8 @@ SumRowsFn pick_sum_rows(int bits, SumTo to) {
     switch (to) {
       case SumTo::kResult:
         return &sum_rows<kBits, SumTo::kResult>;
+      case SumTo::kScaled:
+        return &sum_rows<kBits, SumTo::kScaled>;
       case SumTo::kSum:
         return &sum_rows<kBits, SumTo::kSum>;
       default:
@@ -631,31 +639,38 @@ void quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& res
 }
 
 void dequantize_sum_into_cpu(const at::Tensor& payloads, const at::Tensor& result, int64_t bits,
-                             int64_t block_size, int64_t divisor) {
-  check_dequantize_sum(payloads, result, bits, block_size, divisor);
+                             int64_t block_size, int64_t divisor,
+                             const std::optional<at::Tensor>& scale) {
+  check_dequantize_sum(payloads, result, bits, block_size, divisor, scale);
   const int64_t numel = result.numel();
   const at::ScalarType dtype = result.scalar_type();
   const at::Tensor pc = payloads.contiguous();
   const int64_t B = block_size, nb = num_blocks(numel, B), rec = record_bytes(B, (int)bits);
   const int64_t rows = pc.size(0), row_bytes = pc.size(1);
   const uint8_t* in = pc.data_ptr<uint8_t>();
+  const float* sc = scale ? scale->data_ptr<float>() : nullptr;
   const Divide d(divisor);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "dequantize_sum", [&] {
     constexpr bool kFloat = std::is_same_v<scalar_t, float>;
-    const SumRowsFn sum_rows = pick_sum_rows((int)bits, kFloat ? SumTo::kResult : SumTo::kSum);
+    const SumTo to = !kFloat ? SumTo::kSum : sc != nullptr ? SumTo::kScaled : SumTo::kResult;
+    const SumRowsFn sum_rows = pick_sum_rows((int)bits, to);
     scalar_t* op = result.data_ptr<scalar_t>();
     parallel_blocks(nb, B, [&](auto&& next) {
       std::vector<float> acc(kFloat ? 0 : B);
       for (int64_t b0, b1; next(b0, b1);) {
         for (int64_t blk = b0; blk < b1; ++blk) {
           const int64_t start = blk * B, valid = std::min(B, numel - start);
+          const float* s = sc != nullptr ? sc + start : nullptr;
           if (kFloat) {
             float* o = reinterpret_cast<float*>(op + start);
-            sum_rows(in, rows, row_bytes, blk, rec, valid, d, nullptr, o, nullptr);
+            sum_rows(in, rows, row_bytes, blk, rec, valid, d, s, o, nullptr);
           } else {
             sum_rows(in, rows, row_bytes, blk, rec, valid, d, nullptr, acc.data(), nullptr);
             for (int64_t j = 0; j < valid; ++j) {
-              op[start + j] = static_cast<scalar_t>(canonical(d(acc[j])));
+              const scalar_t v = static_cast<scalar_t>(canonical(d(acc[j])));
+              // Rounded to the dtype, then scaled in fp32 and rounded again, as mul_ would.
+              op[start + j] =
+                  s != nullptr ? static_cast<scalar_t>(canonical(static_cast<float>(v) * s[j])) : v;
             }
           }
         }

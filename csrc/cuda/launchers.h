@@ -60,9 +60,10 @@ struct PayloadRows {
 };
 
 // dequantize (rows == 1, divisor == 1) and dequantize_sum: out[i] = (sum over rows, in row
-// order, of each row's value i, accumulated in fp32 from 0) / divisor, cast to out_type.
-cudaError_t launch_dequantize_sum(const PayloadRows& p, int64_t divisor, void* out,
-                                  FloatType out_type, cudaStream_t stream);
+// order, of each row's value i, accumulated in fp32 from 0) / divisor, cast to out_type;
+// with a scale (numel floats, or nullptr), that value times scale[i] in fp32, cast again.
+cudaError_t launch_dequantize_sum(const PayloadRows& p, int64_t divisor, const float* scale,
+                                  void* out, FloatType out_type, cudaStream_t stream);
 
 // dequantize_sum_requantize: S = row-order sum (+ residual); out = payload of S / divisor;
 // residual = S - divisor * dequantized (when residual is not nullptr).

@@ -63,15 +63,17 @@ void quantize_into_cuda(const at::Tensor& x, const std::optional<at::Tensor>& re
 
 // Also ops.dequantize: one row, divisor 1 (x / 1 == x, so the same bits).
 void dequantize_sum_into_cuda(const at::Tensor& payloads, const at::Tensor& result, int64_t bits,
-                              int64_t block_size, int64_t divisor) {
-  check_dequantize_sum(payloads, result, bits, block_size, divisor);
+                              int64_t block_size, int64_t divisor,
+                              const std::optional<at::Tensor>& scale) {
+  check_dequantize_sum(payloads, result, bits, block_size, divisor, scale);
   check_on_cuda(payloads, "payloads", "dequantize_sum");
   const int64_t numel = result.numel();
   if (numel == 0) return;
   const c10::cuda::CUDAGuard guard(payloads.device());
   C10_CUDA_CHECK(cuda::launch_dequantize_sum(payload_rows(payloads, numel, bits, block_size),
-                                             divisor, result.data_ptr(),
-                                             float_type(result.scalar_type()), current_stream()));
+                                             divisor, scale ? scale->data_ptr<float>() : nullptr,
+                                             result.data_ptr(), float_type(result.scalar_type()),
+                                             current_stream()));
 }
 
 void dequantize_sum_requantize_into_cuda(const at::Tensor& payloads,

@@ -226,7 +226,8 @@ __device__ __forceinline__ void fill_levels(float* levels) {
 
 template <int kBits, typename OutT>
 __global__ void __launch_bounds__(kThreads)
-    decode_kernel(PayloadView pv, int64_t n, float divisor, OutT* __restrict__ out, bool out_vec) {
+    decode_kernel(PayloadView pv, int64_t n, float divisor, const float* __restrict__ scale,
+                  bool scale_vec, OutT* __restrict__ out, bool out_vec) {
   __shared__ float levels[1 << kBits];
   fill_levels<kBits>(levels);
   __syncthreads();
@@ -240,6 +241,13 @@ __global__ void __launch_bounds__(kThreads)
   if (divisor != 1.0f) {
 #pragma unroll
     for (int k = 0; k < kVec; ++k) acc[k] = acc[k] / divisor;
+  }
+  if (scale != nullptr) {
+    // The value as stored (from_float), then times the scale in fp32: a separate mul_'s bits.
+    float s[kVec];
+    load8<float>(scale, i0, n, scale_vec, s);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) acc[k] = to_float(from_float<OutT>(acc[k])) * s[k];
   }
   store8(out, i0, n, out_vec, acc);
 }
@@ -799,8 +807,8 @@ cudaError_t launch_quantize(const QuantizeArgs& a, void* workspace, cudaStream_t
   });
 }
 
-cudaError_t launch_dequantize_sum(const PayloadRows& p, int64_t divisor, void* out,
-                                  FloatType out_type, cudaStream_t stream) {
+cudaError_t launch_dequantize_sum(const PayloadRows& p, int64_t divisor, const float* scale,
+                                  void* out, FloatType out_type, cudaStream_t stream) {
   if (!valid_bits_block(p.bits, p.block_size) || p.numel < 0 || p.rows < 0 || divisor < 1) {
     return cudaErrorInvalidValue;
   }
@@ -813,8 +821,8 @@ cudaError_t launch_dequantize_sum(const PayloadRows& p, int64_t divisor, void* o
     using T = typename decltype(tag)::type;
     T* o = static_cast<T*>(out);
     return with_bits(p.bits, [&](auto b) {
-      decode_kernel<decltype(b)::value, T>
-          <<<(unsigned)ctas, kThreads, 0, stream>>>(pv, p.numel, div, o, aligned16(o));
+      decode_kernel<decltype(b)::value, T><<<(unsigned)ctas, kThreads, 0, stream>>>(
+          pv, p.numel, div, scale, aligned16(scale), o, aligned16(o));
       return cudaGetLastError();
     });
   });
