@@ -44,6 +44,18 @@ inline void check_apart(const std::optional<at::Tensor>& a, const char* a_arg, c
   if (a) check_apart(*a, a_arg, b, b_arg, op);
 }
 
+// t: a contiguous float32 tensor of ref's size on ref's device, apart from it (a scale, an
+// average: per-element state beside a bucket).
+inline void check_float32_like(const at::Tensor& t, const char* arg, const at::Tensor& ref,
+                               const char* ref_arg, const char* op) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == ref.numel() &&
+                  t.device() == ref.device(),
+              op, ": ", arg, " must be a contiguous float32 tensor of ", ref_arg, "'s ",
+              ref.numel(), " elements on ", ref.device(), ", got ", t.scalar_type(), " of ",
+              t.numel(), " on ", t.device());
+  check_apart(t, arg, ref, ref_arg, op);
+}
+
 inline void check_bits_block(int64_t bits, int64_t block_size, const char* op) {
   TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, op,
               ": bits must be one of 1, 2, 4, 8, got ", bits);
@@ -135,14 +147,7 @@ inline void check_dequantize_sum(const at::Tensor& payloads, const at::Tensor& o
   check_out(out, out.scalar_type(), out.numel(), payloads.device(), op);
   TORCH_CHECK(divisor >= 1, op, ": divisor must be >= 1, got ", divisor);
   check_apart(out, "out", payloads, "payloads", op);
-  if (scale) {
-    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
-                    scale->numel() == out.numel() && scale->device() == out.device(),
-                op, ": scale must be a contiguous float32 tensor of out's ", out.numel(),
-                " elements on ", out.device(), ", got ", scale->scalar_type(), " of ",
-                scale->numel(), " on ", scale->device());
-    check_apart(*scale, "scale", out, "out", op);
-  }
+  if (scale) check_float32_like(*scale, "scale", out, "out", op);
 }
 
 // dequantize_sum_requantize_into: `out` holds at least the payload of numel elements.
@@ -294,17 +299,9 @@ inline void check_scale_into(const at::Tensor& x, const std::optional<at::Tensor
   check_float_tensor(x, "x", op);
   TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous");
   TORCH_CHECK(beta >= 0.0 && beta < 1.0, op, ": beta must be in [0, 1), got ", beta);
-  auto like_x = [&](const at::Tensor& t, const char* arg) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == x.numel() &&
-                    t.device() == x.device(),
-                op, ": ", arg, " must be a contiguous float32 tensor of x's ", x.numel(),
-                " elements on ", x.device(), ", got ", t.scalar_type(), " of ", t.numel(), " on ",
-                t.device());
-    check_apart(t, arg, x, "x", op);
-  };
-  like_x(scale, "scale");
+  check_float32_like(scale, "scale", x, "x", op);
   if (average) {
-    like_x(*average, "average");
+    check_float32_like(*average, "average", x, "x", op);
     check_apart(*average, "average", scale, "scale", op);
   }
 }

@@ -403,19 +403,24 @@ def _(x, residual, out, bits, block_size, stochastic=False, seed=0, step=0, rng_
     _check_apart(residual, "residual", out, "out", op)
 
 
-def _check_scale(scale, out, op):
-    """checks.h check_dequantize_sum's scale."""
-    if scale is None:
+def _check_float32_like(t, arg, ref, ref_arg, op):
+    """checks.h check_float32_like: ``t`` (if given) a contiguous float32 tensor of
+    ``ref``'s size on its device, apart from it."""
+    if t is None:
         return
     _check(
-        scale.dtype == torch.float32
-        and scale.is_contiguous()
-        and scale.numel() == out.numel()
-        and scale.device == out.device,
-        f"{op}: scale must be a contiguous float32 tensor of out's {out.numel()} elements on "
-        f"{out.device}, got {_name(scale.dtype)} of {scale.numel()} on {scale.device}",
+        t.dtype == torch.float32
+        and t.is_contiguous()
+        and t.numel() == ref.numel()
+        and t.device == ref.device,
+        f"{op}: {arg} must be a contiguous float32 tensor of {ref_arg}'s {ref.numel()} elements "
+        f"on {ref.device}, got {_name(t.dtype)} of {t.numel()} on {t.device}",
     )
-    _check_apart(scale, "scale", out, "out", op)
+    _check_apart(t, arg, ref, ref_arg, op)
+
+
+def _check_scale(scale, out, op):
+    _check_float32_like(scale, "scale", out, "out", op)
 
 
 @torch.library.register_fake("ddpcomm::dequantize_sum_into")
@@ -779,18 +784,8 @@ def _check_scale_into(x, average, scale, beta, op="scale_into"):
     _check(
         isinstance(beta, float) and 0.0 <= beta < 1.0, f"{op}: beta must be in [0, 1), got {beta}"
     )
-    for t, arg in ((scale, "scale"), (average, "average")):
-        if t is None:
-            continue
-        _check(
-            t.dtype == torch.float32
-            and t.is_contiguous()
-            and t.numel() == x.numel()
-            and t.device == x.device,
-            f"{op}: {arg} must be a contiguous float32 tensor of x's {x.numel()} elements on "
-            f"{x.device}, got {_name(t.dtype)} of {t.numel()} on {t.device}",
-        )
-        _check_apart(t, arg, x, "x", op)
+    _check_float32_like(scale, "scale", x, "x", op)
+    _check_float32_like(average, "average", x, "x", op)
     _check_apart(average, "average", scale, "scale", op)
 
 
