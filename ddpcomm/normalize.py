@@ -34,7 +34,7 @@ from ddpcomm import collectives, layout, ops
 from ddpcomm.compressors import Quantizer
 from ddpcomm.context import ReduceContext
 
-BETA = 0.95  # the local average's decay per step: a horizon of about 20 steps
+BETA = 0.8  # the local average's decay per step: a horizon of about 5 steps
 LOG2_FLOOR = -40.0  # RMS below 2^-40 counts as 2^-40 (log2 of zero is -inf)
 RELATIVE_FLOOR = 1e-3  # no element is scaled up by more than 1000x the bucket's mean scale
 SCALE_BITS = 8  # the log2 RMS travel as q8 (block-wise absmax, no error feedback)
