@@ -409,9 +409,11 @@ void write_record(const float* e, int64_t B, float m, uint64_t key, int64_t inde
   std::memcpy(record, &m, sizeof(float));
   uint8_t* out = record + kScaleBytes;
   if constexpr (kBits <= 2 && !kStochastic) {
-    if (!block_is_degenerate(m) && block_inv(m, kBits).pre == 1.0f) {
-      mask_codes<kBits>(e, B, block_inv(m, kBits).inv, out);
-      return;
+    if (!block_is_degenerate(m)) {
+      if (const BlockInv inv = block_inv(m, kBits); inv.pre == 1.0f) {
+        mask_codes<kBits>(e, B, inv.inv, out);
+        return;
+      }
     }
   }
   block_codes<kBits, kStochastic>(e, B, m, key, index0, kBits == 8 ? out : codes);
