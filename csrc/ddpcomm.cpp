@@ -60,8 +60,8 @@ TORCH_LIBRARY(ddpcomm, m) {
       "int divisor, int start=0, int end=-1) -> ()");
 
   // A quantizer's normalize (ddpcomm/normalize.py): x /= scale, after average = beta * average
-  // + (1 - beta) * x^2 where an average is given. CPU and float32 only: elsewhere ops.py runs
-  // the same arithmetic as torch ops (reference.scale_into).
+  // + (1 - beta) * x^2 where an average is given. One native pass for float32 on the CPU;
+  // torch's ops with the same arithmetic (reference.scale_into) for other dtypes and devices.
   m.def("scale_into(Tensor(a!) x, Tensor(b!)? average, Tensor scale, float beta) -> ()");
 }
 

@@ -316,7 +316,7 @@ def dequantize(
         _check_out(out, numel, dtype, op)
         _check_out_buffer(out, dtype, numel, packed.device, op)
         _check_apart(out, "out", packed, "packed", op)
-    _check_scale(scale, out, "dequantize_sum")
+    _check_float32_like(scale, "scale", out, "out", "dequantize_sum")
     _ops.dequantize_sum_into(packed.view(1, -1), out, bits, block_size, 1, scale)
     return out
 
@@ -344,7 +344,7 @@ def dequantize_sum(
         out = payloads.new_empty(numel, dtype=dtype)
     else:
         _check_out(out, numel, dtype, "dequantize_sum")
-    _check_scale(scale, out, "dequantize_sum")
+    _check_float32_like(scale, "scale", out, "out", "dequantize_sum")
     _ops.dequantize_sum_into(payloads, out, bits, block_size, divisor, scale)
     return out
 
@@ -419,10 +419,6 @@ def _check_float32_like(t, arg, ref, ref_arg, op):
     _check_apart(t, arg, ref, ref_arg, op)
 
 
-def _check_scale(scale, out, op):
-    _check_float32_like(scale, "scale", out, "out", op)
-
-
 @torch.library.register_fake("ddpcomm::dequantize_sum_into")
 def _(payloads, out, bits, block_size, divisor, scale=None):
     op = "dequantize_sum"
@@ -430,7 +426,7 @@ def _(payloads, out, bits, block_size, divisor, scale=None):
     _check_out_buffer(out, out.dtype, out.numel(), payloads.device, op)
     _check(divisor >= 1, f"{op}: divisor must be >= 1, got {divisor}")
     _check_apart(out, "out", payloads, "payloads", op)
-    _check_scale(scale, out, op)
+    _check_float32_like(scale, "scale", out, "out", op)
 
 
 @torch.library.register_fake("ddpcomm::dequantize_sum_requantize_into")
