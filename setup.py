@@ -13,7 +13,13 @@ import sysconfig
 
 import torch
 from setuptools import setup
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+from torch.utils.cpp_extension import (
+    CUDA_HOME,
+    BuildExtension,
+    CppExtension,
+    CUDAExtension,
+    get_cxx_compiler,
+)
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -51,6 +57,36 @@ def _cpu_build():
     return flags, _sources("csrc/cpu/avx2/*.cpp"), "x86-64, and x86-64-v3 kernels picked at load"
 
 
+def _shared_cxx_runtime():
+    """The libstdc++ this Python's torch loaded, linked by its path ahead of the compiler's.
+
+    _C must use the C++ runtime torch uses. A compiler whose libstdc++ is a static archive
+    (a GCC installed beside the system's, under /opt, was seen doing this on a GPU machine)
+    would copy a second runtime into _C, and the errors ddpcomm's C++ checks raise would
+    then cross two runtimes and kill the process instead of raising. Named first, the
+    shared library resolves every runtime symbol; an archive after it adds nothing."""
+    if platform.system() != "Linux":
+        return []
+    with open("/proc/self/maps") as maps:
+        loaded = sorted({line.split()[-1] for line in maps if "/libstdc++.so" in line})
+    return loaded[:1]
+
+
+def _check_one_cxx_runtime(library):
+    """Refuses a built _C that defines the C++ runtime's own throw (see _shared_cxx_runtime)."""
+    nm = shutil.which("nm")
+    if nm is None or platform.system() != "Linux":
+        return
+    symbols = subprocess.run([nm, "-D", "--defined-only", library], capture_output=True, text=True)
+    if " __cxa_throw" in symbols.stdout:
+        os.remove(library)
+        raise SystemExit(
+            f"ddpcomm: {get_cxx_compiler()} linked a static libstdc++ into {library}: its errors "
+            "would crash the process instead of raising. Build with a compiler whose libstdc++ "
+            "is a shared library (set CXX and CC, e.g. to the system's g++ and gcc)."
+        )
+
+
 class BuildExt(BuildExtension.with_options(use_ninja=True)):
     """torch's ninja build. pip's editable install (`make`, `pip install -e .`) builds the
     extension in place too, but setuptools hands it a throwaway temp dir: the objects and
@@ -62,6 +98,10 @@ class BuildExt(BuildExtension.with_options(use_ninja=True)):
         if self.editable_mode:
             plat = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
             self.build_temp = os.path.join(ROOT, "build", f"temp.{plat}")
+
+    def build_extension(self, ext):
+        super().build_extension(ext)
+        _check_one_cxx_runtime(self.get_ext_fullpath(ext.name))
 
 
 def _cuda_arch_list():
@@ -92,7 +132,7 @@ print(f"ddpcomm: building {'CPU + CUDA' if cuda else 'CPU-only'} ops ({why}); CP
 # -g0 drops the debug info that Python's own CFLAGS ask for (-g) and -s the symbol table at
 # link: the library goes from 11 MB to 0.6 MB. The dynamic symbols Python and torch need stay.
 cxx = ["-O3", "-g0", "-fopenmp", "-ffp-contract=off"] + cpu_flags
-link = ["-fopenmp", "-s"]
+link = ["-fopenmp", "-s"] + _shared_cxx_runtime()
 sources = _sources("csrc/ddpcomm.cpp") + _sources("csrc/cpu/*.cpp") + cpu_variants
 if cuda:
     archs = _cuda_arch_list()

@@ -1,5 +1,6 @@
 """What the build promises: portable CPU kernels with runtime dispatch that give the same bits
-as the baseline ones, and a package that requires the torch it was built against.
+as the baseline ones, a package that requires the torch it was built against, and a library
+that shares torch's C++ runtime.
 
 The op tests (test_ops_*.py) hold the kernels the library picked at load to the reference;
 here a subprocess runs every CPU kernel family forced to the x86-64 baseline
@@ -139,3 +140,23 @@ def test_package_requires_the_torch_it_was_built_against():
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("ddpcomm is not installed (built in place only)")
     assert requires == [f"torch=={ddpcomm.build_info()['torch_built']}"]
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or shutil.which("nm") is None, reason="needs Linux and nm"
+)
+def test_the_library_uses_the_cpp_runtime_torch_loaded():
+    """A static libstdc++ copied into _C (a compiler whose libstdc++ is an archive does this)
+    turns every error ddpcomm's C++ checks raise into a crash of the process; setup.py links
+    torch's libstdc++ and refuses such a library."""
+    library = ddpcomm._C.__file__
+    defined = subprocess.run(
+        ["nm", "-D", "--defined-only", library], capture_output=True, text=True
+    )
+    assert defined.returncode == 0, defined.stderr
+    assert " __cxa_throw" not in defined.stdout, f"{library} carries its own C++ runtime"
+    needed = subprocess.run(["readelf", "-d", library], capture_output=True, text=True).stdout
+    assert "[libstdc++.so.6]" in needed
+    with pytest.raises(RuntimeError, match="sparse_accumulate: payloads row 0 holds index 5"):
+        payload = torch.tensor([5, 1], dtype=torch.int32).view(torch.uint8)  # index 5, value
+        ops.sparse_accumulate(payload[None], 4, 1, 1, torch.float32, torch.float32)
