@@ -3,9 +3,11 @@
 Uses the interpreter it runs under (the machine's own python3: no venv, no installs), builds
 ddpcomm in place for the card it finds, then runs, each step with a deadline:
 
-- the CUDA tests, in parallel where pytest-xdist is installed (every ``cuda`` case: ops
-  against the CPU bit for bit, the 1-rank NCCL hooks and collectives, the gloo-with-CUDA
-  multi-rank groups, delayed streams);
+- the CUDA tests, in parallel where pytest-xdist is installed (every ``cuda`` case): the op
+  tests (against the CPU bit for bit) spread test by test, the rest (the 1-rank NCCL hooks
+  and collectives, the gloo-with-CUDA multi-rank groups, delayed streams) file by file, as
+  their module fixtures start rank groups once per file; every pytest process and sanitizer
+  runs its CPU ops on one thread, so a dozen of them do not oversubscribe the cores;
 - compute-sanitizer memcheck, racecheck and synccheck over the CUDA op tests (the top-k
   split and radix-select sizes included);
 - ``python -m ddpcomm.bench kernels --device cuda`` at 64 and 256 MB, last and alone.
@@ -35,7 +37,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-OP_TESTS = ["tests/test_ops_quantize.py", "tests/test_ops_sparse.py", "tests/test_ops_flatten.py"]
+OP_TESTS = ["tests/test_ops_sparse.py", "tests/test_ops_quantize.py", "tests/test_ops_flatten.py"]
 SANITIZERS = ("memcheck", "racecheck", "synccheck")
 # Targets (issue: the CUDA path): fraction of a device copy at 256 MB; top-k against torch.
 COPY_TARGET = {"quantize:q8": 0.9, "quantize:q4": 0.9, "dequantize_sum:q8": 0.9}
@@ -46,12 +48,16 @@ TOPK_TARGET = ("topk_approx:0.01", 10.0)
 class Step:
     """One line of the report: a name, an outcome, seconds, and what it printed last."""
 
+    logs: str | None = None  # a folder for every step's whole output (--logs)
+    cap: float | None = None  # the most seconds any step may take (--step-timeout)
+
     def __init__(self, name: str) -> None:
         self.name, self.outcome, self.seconds, self.tail = name, "skipped: no GPU", 0.0, ""
         self.summary = ""  # the command's last line (pytest's counts)
 
     def run(self, cmd: list[str], timeout: float, env: dict | None = None) -> bool:
         t0 = time.monotonic()
+        timeout = min(timeout, Step.cap or timeout)
         try:
             done = subprocess.run(
                 cmd,
@@ -67,6 +73,9 @@ class Step:
             output, ok = (exc.stdout or b"").decode(errors="replace"), False
             self.outcome = f"FAIL (over {timeout:.0f} s)"
         self.seconds = time.monotonic() - t0
+        if Step.logs:
+            with open(os.path.join(Step.logs, re.sub(r"\W+", "_", self.name) + ".log"), "w") as f:
+                f.write(" ".join(cmd) + "\n" + output)
         lines = output.strip().splitlines()
         self.tail = "\n".join(lines[-15:])
         self.summary = lines[-1].strip("= ") if lines else ""
@@ -93,13 +102,23 @@ def probe() -> dict:
     return json.loads(done.stdout)
 
 
-def has_xdist() -> bool:
-    return subprocess.run([PY, "-c", "import xdist"], capture_output=True).returncode == 0
+def has(module: str) -> bool:
+    return subprocess.run([PY, "-c", f"import {module}"], capture_output=True).returncode == 0
 
 
-def pytest(files: list[str], parallel: bool) -> list[str]:
-    cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda", *files]
-    return cmd + (["-n", "8", "--dist", "loadfile"] if parallel else [])
+def pytest(files: list[str], workers: int = 0, dist: str = "load") -> list[str]:
+    """pytest over the CUDA cases, each test's outcome on its own line (a step cut off at
+    its deadline still names what failed); a test that hangs fails alone where
+    pytest-timeout is installed, instead of taking its step's whole deadline."""
+    cmd = [PY, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-k", "cuda", *files]
+    cmd += ["--timeout", "300"] if has("pytest_timeout") else []
+    return cmd + (["-n", str(workers), "--dist", dist] if workers and has("xdist") else [])
+
+
+def other_tests() -> list[str]:
+    names = sorted(os.listdir(os.path.join(ROOT, "tests")))
+    files = [f"tests/{n}" for n in names if n.startswith("test_") and n.endswith(".py")]
+    return [f for f in files if f not in OP_TESTS]
 
 
 def kernels_table(path: str) -> list[str]:
@@ -136,7 +155,13 @@ def main(argv: list[str] | None = None) -> int:
         "the others keep their last outcome in the report, so a session whose commands are "
         "limited to 10 minutes can run them in turn",
     )
+    parser.add_argument("--step-timeout", type=float, help="cap every step's deadline (seconds)")
+    parser.add_argument("--logs", help="write each step's whole output to this folder")
+    parser.add_argument("--bench-sizes", default="64,256", help="MB the bench times (64,256)")
     args = parser.parse_args(argv)
+    Step.cap, Step.logs = args.step_timeout, args.logs
+    if args.logs:
+        os.makedirs(args.logs, exist_ok=True)
     only = set(args.only.split(","))
     if not only <= set(STEPS):
         parser.error(f"--only takes {', '.join(STEPS)}; got {args.only!r}")
@@ -145,11 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     gpu = info.get("gpu")
     steps = {
         "build": [Step("build in place")],
-        "tests": [Step("CUDA tests (pytest -k cuda)")],
+        "tests": [Step("CUDA op tests"), Step("CUDA hook and group tests")],
         "sanitize": [Step(f"compute-sanitizer {tool}") for tool in SANITIZERS],
-        "bench": [Step("kernels bench, 64 and 256 MB")],
+        "bench": [Step("kernels bench")],
     }
-    (build,), (tests,), (bench,) = steps["build"], steps["tests"], steps["bench"]
+    (build,), (bench,) = steps["build"], steps["bench"]
     table: list[str] | None = None
     build_cmd = [PY, "setup.py", "-q", "build_ext", "--inplace"]
     if info.get("torch") is None:
@@ -167,21 +192,27 @@ def main(argv: list[str] | None = None) -> int:
             for step in sum(list(steps.values())[1:], []):
                 step.outcome = "skipped: build failed"
         else:
-            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            with concurrent.futures.ThreadPoolExecutor(5) as pool:
                 jobs = []
+                one_thread = {"OMP_NUM_THREADS": "1"}
+                ops_step, others_step = steps["tests"]
                 if "tests" in only:
-                    jobs.append(pool.submit(tests.run, pytest(["tests"], has_xdist()), 540))
+                    for step, cmd in (
+                        (ops_step, pytest(OP_TESTS, 8, "load")),
+                        (others_step, pytest(other_tests(), 4, "loadfile")),
+                    ):
+                        jobs.append(pool.submit(step.run, cmd, 540, one_thread))
                 for tool, step in zip(SANITIZERS, steps["sanitize"], strict=True):
                     if "sanitize" in only:
                         cmd = ["compute-sanitizer", "--tool", tool, "--error-exitcode", "1"]
-                        jobs.append(pool.submit(step.run, cmd + pytest(OP_TESTS, False), 540))
+                        jobs.append(pool.submit(step.run, cmd + pytest(OP_TESTS), 540, one_thread))
                 for job in jobs:
                     job.result()
             if "bench" in only:  # alone, after the rest: the GPU and its memory are the bench's
                 with tempfile.TemporaryDirectory() as tmp:
                     out = os.path.join(tmp, "kernels.json")
-                    cmd = [PY, "-m", "ddpcomm.bench", "kernels", "--device", "cuda"]
-                    bench.run(cmd + ["--sizes", "64,256", "--ops", "all", "--out", out], 300)
+                    cmd = [PY, "-m", "ddpcomm.bench", "kernels", "--device", "cuda", "--ops", "all"]
+                    bench.run(cmd + ["--sizes", args.bench_sizes, "--out", out], 300)
                     table = kernels_table(out) if os.path.exists(out) else []
     for name, group in steps.items():
         if name not in only and info.get("torch") is not None:

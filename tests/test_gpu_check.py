@@ -31,7 +31,7 @@ def test_without_a_gpu_every_gpu_step_is_skipped():
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if "skipped: no GPU" in line]
-    assert len(lines) == 5, done.stdout
+    assert len(lines) == 6, done.stdout
     assert "build in place                     not run (--only)" in done.stdout
     assert "report:" not in done.stdout  # no report without a GPU
 
@@ -66,15 +66,18 @@ def test_on_a_gpu_every_step_runs_and_the_report_judges_the_targets(
     report = out.read_text()
     assert "not run" not in report
     assert "card: NVIDIA H100 80GB HBM3 (sm 9.0" in report
-    assert report.count(" pass ") == 6
+    assert report.count(" pass ") == 7
     assert f">= 90% of copy: {verdict}" in report and f">= 10x torch.topk: {verdict}" in report
     by_step = {name: (cmd, env) for name, cmd, env in commands}
     assert by_step["build in place"][1]["TORCH_CUDA_ARCH_LIST"] == "9.0"
-    tests = by_step["CUDA tests (pytest -k cuda)"][0]
-    assert "-k" in tests and "cuda" in tests and "tests" in tests
+    op_tests, op_env = by_step["CUDA op tests"]
+    others = by_step["CUDA hook and group tests"][0]
+    assert "-k" in op_tests and "cuda" in op_tests and "tests/test_ops_quantize.py" in op_tests
+    assert "tests/test_collectives.py" in others and "tests/test_ops_quantize.py" not in others
+    assert op_env["OMP_NUM_THREADS"] == "1"  # a dozen processes on the cores, one thread each
     for tool in ("memcheck", "racecheck", "synccheck"):
         cmd = by_step[f"compute-sanitizer {tool}"][0]
         assert cmd[:3] == ["compute-sanitizer", "--tool", tool]
         assert "tests/test_ops_sparse.py" in cmd and "tests/test_ops_quantize.py" in cmd
-    bench = by_step["kernels bench, 64 and 256 MB"][0]
+    bench = by_step["kernels bench"][0]
     assert "--device" in bench and "cuda" in bench and "64,256" in bench
