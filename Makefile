@@ -159,7 +159,7 @@ STUDY = $(PY) -c 'import json, sys; json.dump({"command": "train", "study": sys.
 # the synthetic language and on English text. One study file per corpus holds every
 # seed's run (the bench writes one run per file; the last line of the loop joins them).
 # The committed study predates q1's normalize option: its q1 rows are q1 with normalize=0;
-# run again, they measure q1 with its current default (normalize=32).
+# run again, they measure q1 with its current default (normalize=64).
 FIDELITY_METHODS = ddp,q8,q4,q4,error_feedback,q2,start_iter=100,ramp=200,q1,start_iter=100,ramp=200,topk:0.01,start_iter=200,ramp=200,randk:0.01,start_iter=200,ramp=200,q2,start_iter=0,ramp=0,q1,start_iter=0,ramp=0,topk:0.01,start_iter=0,ramp=0,randk:0.01,start_iter=0,ramp=0
 FIDELITY_MODEL = --steps 600 --d-model 128 --heads 4 --batch 2 --accum 4 --lr-decay cosine --lr 2e-3 --timeout 900
 FIDELITY_DATA = markov:--vocab=1024 text:--eval-batch=256
@@ -171,12 +171,12 @@ bench-fidelity: all
 	  $(STUDY) fidelity_$$c benchmarks/results/fidelity/$$c.json bench-out/fidelity/$$c-?.json; done
 	$(MAKE) bench-fidelity-q1
 
-# q1 at its current default (normalize=32) on the same runs, with DDP beside it.
+# q1 at its current default (normalize=64) on the same runs, with DDP beside it.
 .PHONY: bench-fidelity-q1
 bench-fidelity-q1: all
 	mkdir -p bench-out/fidelity
 	set -e; for d in $(FIDELITY_DATA); do c=$${d%%:*}; for s in 0 1 2 3; do \
-	  $(PY) -m ddpcomm.bench train --data $$c $${d#*:} --seed $$s --methods ddp,$(Q1_N32) $(FIDELITY_MODEL) --out bench-out/fidelity/q1n-$$c-$$s.json; done; \
+	  $(PY) -m ddpcomm.bench train --data $$c $${d#*:} --seed $$s --methods ddp,$(Q1_N64) $(FIDELITY_MODEL) --out bench-out/fidelity/q1n-$$c-$$s.json; done; \
 	  $(STUDY) q1_normalize_$$c benchmarks/results/fidelity/q1_normalize_$$c.json bench-out/fidelity/q1n-$$c-?.json; done
 	$(PY) benchmarks/tables.py benchmarks/results/fidelity/markov.json benchmarks/results/fidelity/text.json
 	$(PY) benchmarks/plots.py
@@ -187,16 +187,16 @@ bench-fidelity-q1: all
 # reduced gradient with the exact mean every 50 steps, by parameter kind; and runs whose
 # AdamW takes the exact mean in one of its moments (--adam-exact m, v).
 Q1_N0 = q1,start_iter=100,ramp=200,normalize=0
-Q1_N32 = q1,start_iter=100,ramp=200,normalize=32
+Q1_N64 = q1,start_iter=100,ramp=200,normalize=64
 TOPK_DEFAULT = topk:0.01,start_iter=200,ramp=200
-STEADY_METHODS = ddp,q8,q4,$(Q1_N0),$(Q1_N32),$(TOPK_DEFAULT),q1,start_iter=0,ramp=0,normalize=0
+STEADY_METHODS = ddp,q8,q4,$(Q1_N0),$(Q1_N64),$(TOPK_DEFAULT),q1,start_iter=0,ramp=0,normalize=0
 STEADY_MODEL = --data text --eval-batch=256 --steps 1200 --d-model 128 --heads 4 --batch 2 --accum 4 --lr-decay cosine --lr 2e-3 --timeout 1800
 .PHONY: bench-steady
 bench-steady: all
 	mkdir -p bench-out/steady benchmarks/results/steady_state
 	set -e; for s in 0 1; do $(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed $$s --methods $(STEADY_METHODS) --out bench-out/steady/text-$$s.json; done
 	$(STUDY) steady_text benchmarks/results/steady_state/text_1200.json bench-out/steady/text-?.json
-	$(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed 0 --probe-every 50 --methods ddp,q8,$(Q1_N0),$(Q1_N32),$(TOPK_DEFAULT) --out benchmarks/results/steady_state/probe.json
-	set -e; for m in m v; do $(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed 0 --adam-exact $$m --methods ddp,$(Q1_N0),$(Q1_N32),$(TOPK_DEFAULT) --out bench-out/steady/exact-$$m.json; done
+	$(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed 0 --probe-every 50 --methods ddp,q8,$(Q1_N0),$(Q1_N64),$(TOPK_DEFAULT) --out benchmarks/results/steady_state/probe.json
+	set -e; for m in m v; do $(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed 0 --adam-exact $$m --methods ddp,$(Q1_N0),$(Q1_N64),$(TOPK_DEFAULT) --out bench-out/steady/exact-$$m.json; done
 	$(STUDY) adam_exact benchmarks/results/steady_state/adam_exact.json bench-out/steady/exact-?.json
 	$(PY) benchmarks/plots.py

@@ -207,7 +207,9 @@ def test_spec_options():
     assert parse("randk:0.1,seed=4").seed == 4
     state = ddpcomm.CompressionState("q1,start_iter=5,min_numel=7,ramp=30,block_size=64")
     assert (state.start_iter, state.min_numel, state.ramp) == (5, 7, 30)
-    assert state.compressor == parse("q1", block_size=64, normalize=32)  # q1 state default
+    assert state.compressor == parse(
+        "q1", block_size=64, normalize=compressors.DEFAULT_NORMALIZE
+    )  # q1 state default
     assert ddpcomm.CompressionState("q2", ramp=4).ramp == ddpcomm.QuantizeState(2, ramp=4).ramp
 
 
