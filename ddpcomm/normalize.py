@@ -13,7 +13,7 @@ then proportional to that element's own size, and so is what AdamW sees. The sca
 each element's gradient RMS, as an exponential average over steps (``BETA``) kept by each
 rank of its own gradients and shared every K compressed steps: the ranks average the
 base-2 logarithms of their RMS through an 8-bit quantized all-reduce (8.1 bits per
-element every K steps, 0.25 at K = 32; ``stats()`` counts them as path ``"scale"``).
+element every K steps, 0.125 at K = 64; ``stats()`` counts them as path ``"scale"``).
 Error feedback runs in the scaled units; when a refresh changes the scale, the residuals
 are rescaled with it, so the error-feedback invariant keeps holding in gradient units.
 
