@@ -9,7 +9,7 @@ ddpcomm in place for the card it finds, then runs, each step with a deadline:
   their module fixtures start rank groups once per file; every pytest process and sanitizer
   runs its CPU ops on one thread, so a dozen of them do not oversubscribe the cores;
 - compute-sanitizer memcheck, racecheck and synccheck over the CUDA op tests (the top-k
-  split and radix-select sizes included);
+  split and radix-select sizes first), each over the 3 pytest workers it follows;
 - ``python -m ddpcomm.bench kernels --device cuda`` at 64 and 256 MB, last and alone.
 
 It writes ``benchmarks/results/gpu/<card>.txt``: pass/fail per step, then GB/s and % of a
@@ -204,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                         jobs.append(pool.submit(step.run, cmd, 540, one_thread))
                 for tool, step in zip(SANITIZERS, steps["sanitize"], strict=True):
                     if "sanitize" in only:
-                        cmd = ["compute-sanitizer", "--tool", tool, "--error-exitcode", "1"]
-                        jobs.append(pool.submit(step.run, cmd + pytest(OP_TESTS), 540, one_thread))
+                        cmd = ["compute-sanitizer", "--tool", tool, "--target-processes", "all"]
+                        cmd += ["--error-exitcode", "1", *pytest(OP_TESTS, 3, "load")]
+                        jobs.append(pool.submit(step.run, cmd, 540, one_thread))
                 for job in jobs:
                     job.result()
             if "bench" in only:  # alone, after the rest: the GPU and its memory are the bench's
