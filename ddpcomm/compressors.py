@@ -143,7 +143,7 @@ class Quantizer(Compressor):
         seed: seed of the stochastic rounding stream.
         normalize: 0 (off), or K: a hook state compresses each element in units of its
             own gradient RMS, which every rank shares every K compressed steps (8.1 bits
-            per element per refresh: 0.25 per step at K = 32). Gives AdamW back its
+            per element per refresh: 0.125 per step at K = 64). Gives AdamW back its
             per-element scaling under q1 (``ddpcomm.normalize``). Flat DDP hooks only. ``None``
             leaves it to the hook state: ``DEFAULT_NORMALIZE`` for q1 in a flat,
             non-adaptive state, off otherwise and outside hooks.
