@@ -229,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.path.exists(path + ".json"):  # the steps of earlier --only runs on this card
             with open(path + ".json") as f:
                 previous = json.load(f)
-        record = {**previous.get("steps", {}), **record}
+        names = {s.name for s in sum(steps.values(), [])}  # a renamed step's record is dropped
+        kept = {k: v for k, v in previous.get("steps", {}).items() if k in names}
+        record = {**kept, **record}
         table = previous.get("table", []) if table is None else table
         for step in sum(steps.values(), []):
             if step.name in record:
