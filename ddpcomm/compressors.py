@@ -627,7 +627,7 @@ SPARSE_SCHEDULE = (200, 200)
 # q1's normalize in a flat DDP hook state unless given (ddpcomm.normalize): on the text
 # fidelity GPT with AdamW (1200 steps) it took q1's final gap to DDP from +13.4% to +6.8%
 # (seed 0) at K = 32 (the local average's decay then 0.95). At decay 0.8, seeds 0-3, a
-# refresh every K = 64 steps beat K = 32 at every seed (mean +4.25% against +5.16%) for
+# refresh every K = 64 steps beat K = 32 at every seed (mean +4.25% against +5.15%) for
 # 0.125 more bits per element per step instead of 0.25; K = 16 did no better than 32.
 DEFAULT_NORMALIZE = 64
 
