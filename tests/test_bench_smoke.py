@@ -101,6 +101,8 @@ def test_bad_arguments_name_the_argument(cwd):
         ["train", "--steps", "3", "--warmup-steps", "3"],
         ["kernels", "--ops", "quantize:q3"],
         ["fsdp", "--train-methods", "allreduce"],
+        ["train", "--exact-params", "("],
+        ["train", "--exact-params", "no_such_parameter"],
     )
     args = [
         "--methods",
@@ -110,6 +112,8 @@ def test_bad_arguments_name_the_argument(cwd):
         "--warmup-steps",
         "--ops",
         "--train-methods",
+        "--exact-params",
+        "--exact-params",
     ]
     for (code, _, err), arg in zip(results, args, strict=True):
         assert code != 0 and arg in err, err
@@ -278,6 +282,19 @@ def test_train_quick_on_text(cwd, tmp_path):
         # Held out after 2, 6 and 12 steps, below the uniform loss over 128 characters.
         assert [s for s, _ in r["eval_losses"]] == [2, 6, 12]
         assert 0 < r["eval_loss"] < 4.86
+
+
+def test_exact_params_replace_the_methods_mean_with_the_exact_one(cwd, tmp_path):
+    # Every parameter exact: q1 trains as DDP does, to the bit (at 2 ranks halving is
+    # exact, so DDP's x/2 + y/2 is the probe's (x + y) / 2); only the attention exact:
+    # q1's error reaches the rest.
+    out = tmp_path / "t.json"
+    for pattern, same in ((".", True), ("[.](qkv|proj)[.]", False)):
+        argv = ["--quick", "--methods", "ddp,q1,start_iter=0,ramp=0", "--exact-params", pattern]
+        bench(cwd, "train", *argv, "--out", str(out))
+        ddp, q1 = json.loads(out.read_text())["rows"]
+        assert q1["status"] == "ok" and q1["replicas_identical"], q1
+        assert (q1["loss"] == ddp["loss"]) == same, (pattern, q1["loss"], ddp["loss"])
 
 
 def test_train_quick(cwd, tmp_path):

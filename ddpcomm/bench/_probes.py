@@ -1,9 +1,10 @@
 """What the train benchmark measures besides the loss: the reduced gradient against the
-exact mean (``--probe-every``), where the weights ended against DDP's, and AdamW with one
-of its moments fed the exact mean (``--adam-exact``).
+exact mean (``--probe-every``), where the weights ended against DDP's, AdamW with one of
+its moments fed the exact mean (``--adam-exact``), and training with some parameters'
+gradients exact (``--exact-params``).
 
-Both comparisons with the exact mean issue one more plain all_reduce of the bucket
-beside the method's own, so they change what a step costs, not what it computes.
+Every comparison with the exact mean issues one more plain all_reduce of the bucket
+beside the method's own, so it changes what a step costs, not what it computes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ def _exact_mean(bucket) -> torch.Tensor:
     return exact.div_(dist.get_world_size())
 
 
+def _reduced(fut) -> torch.Tensor:
+    """The flat tensor a DDP hook's future holds (torch's hooks hand back a list)."""
+    value = fut.value()
+    return value[0] if isinstance(value, list) else value
+
+
+def _ranges(bucket):
+    """(parameter, slice of the flat bucket) in bucket order."""
+    start = 0
+    for p in bucket.parameters():
+        yield p, slice(start, start + p.numel())
+        start += p.numel()
+
+
 def probing(hook, model, probe: dict):
     """``hook``, which at probe steps also all-reduces a copy of the bucket plainly and
     adds, per parameter kind, the squared error of the method's mean against the exact
@@ -38,13 +53,11 @@ def probing(hook, model, probe: dict):
         err, ref = probe["err"][-1], probe["ref"][-1]
 
         def compare(fut):
-            got, start = fut.value()[0] if isinstance(fut.value(), list) else fut.value(), 0
-            for p in bucket.parameters():
-                k, n = kind(names[p]), p.numel()
-                e = exact[start : start + n].double()
-                err[k] += float((got[start : start + n].double() - e).square().sum())
+            got = _reduced(fut)
+            for p, part in _ranges(bucket):
+                k, e = kind(names[p]), exact[part].double()
+                err[k] += float((got[part].double() - e).square().sum())
                 ref[k] += float(e.square().sum())
-                start += n
             return fut.value()
 
         return then(hook(state, bucket), compare)
@@ -94,16 +107,36 @@ def keeping_exact(hook):
 
     @functools.wraps(hook)
     def wrapper(state, bucket):
-        exact, params = _exact_mean(bucket), bucket.parameters()
+        exact = _exact_mean(bucket)
 
         def keep(fut):
-            start = 0
-            for p in params:
-                p.exact_grad = exact[start : start + p.numel()].view_as(p)
-                start += p.numel()
+            for p, part in _ranges(bucket):
+                p.exact_grad = exact[part].view_as(p)
             return fut.value()
 
         return then(hook(state, bucket), keep)
+
+    return wrapper
+
+
+def exact_for(hook, model, pattern):
+    """``hook``, whose result then holds the exact mean gradient of the parameters whose
+    names ``pattern`` (a compiled regular expression) finds: how much of a method's loss
+    gap the compression error of those parameters makes."""
+    exact_params = {p for n, p in model.named_parameters() if pattern.search(n)}
+
+    @functools.wraps(hook)
+    def wrapper(state, bucket):
+        exact = _exact_mean(bucket)
+
+        def patch(fut):
+            got = _reduced(fut)
+            for p, part in _ranges(bucket):
+                if p in exact_params:
+                    got[part] = exact[part]
+            return fut.value()
+
+        return then(hook(state, bucket), patch)
 
     return wrapper
 

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import math
 import os
+import re
 import statistics
 
 import torch
@@ -129,6 +130,14 @@ def add_arguments(p) -> None:
         "split a method's loss gap between Adam's direction and its per-coordinate scale",
     )
     p.add_argument(
+        "--exact-params",
+        metavar="REGEX",
+        help="mechanism probe: the parameters whose names REGEX finds (tok.weight, "
+        "blocks.0.qkv.weight, ...; '[.](qkv|proj)[.]' for attention) take the exact mean "
+        "gradient (one more plain all_reduce per bucket) and the rest the method's, to "
+        "find which parameters a method's loss gap comes from",
+    )
+    p.add_argument(
         "--data",
         choices=("markov", "text"),
         default="markov",
@@ -162,9 +171,22 @@ def _config(args) -> GPTConfig:
     if args.data == "text":
         args.vocab = Text.VOCAB
     try:
-        return GPTConfig(args.vocab, args.seq, args.d_model, args.layers, args.heads)
+        cfg = GPTConfig(args.vocab, args.seq, args.d_model, args.layers, args.heads)
     except ValueError as exc:
         raise SystemExit(f"model: {exc}") from None
+    if args.exact_params is not None:
+        try:
+            pattern = re.compile(args.exact_params)
+        except re.error as exc:
+            raise SystemExit(f"--exact-params: {exc}") from None
+        with torch.device("meta"):
+            names = [n for n, _ in GPT(cfg).named_parameters()]
+        if not any(pattern.search(n) for n in names):
+            raise SystemExit(
+                f"--exact-params {args.exact_params!r} finds none of the model's parameters "
+                f"({', '.join(names[:6])}, ...)"
+            )
+    return cfg
 
 
 def run(args, command: str = "train") -> int:
@@ -192,6 +214,7 @@ def run(args, command: str = "train") -> int:
             "data",
             "probe_every",
             "adam_exact",
+            "exact_params",
         )
     }
     cases = [
@@ -285,6 +308,8 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
             hook, probe["hooked"] = _probes.probing(hook, model, probe), True
         if case.get("adam_exact"):
             hook = _probes.keeping_exact(hook)
+        if case.get("exact_params"):
+            hook = _probes.exact_for(hook, model, re.compile(case["exact_params"]))
         net.register_comm_hook(state, hook)
     if case.get("adam_exact") and method not in OWN:
         opt = _probes.SplitAdam(model.parameters(), lr=case["lr"], exact=case["adam_exact"])
