@@ -158,8 +158,8 @@ STUDY = $(PY) -c 'import json, sys; json.dump({"command": "train", "study": sys.
 # gradient-accumulation GPT (loopback: losses do not depend on the link), seeds 0-3, on
 # the synthetic language and on English text. One study file per corpus holds every
 # seed's run (the bench writes one run per file; the last line of the loop joins them).
-# The committed study predates q1's normalize option: its q1 rows are q1 with normalize=0;
-# run again, they measure q1 with its current default (normalize=64).
+# The committed study predates the normalize option: its q2 and q1 rows are normalize=0;
+# run again, they measure q2 and q1 with their current default (normalize=64).
 FIDELITY_METHODS = ddp,q8,q4,q4,error_feedback,q2,start_iter=100,ramp=200,q1,start_iter=100,ramp=200,topk:0.01,start_iter=200,ramp=200,randk:0.01,start_iter=200,ramp=200,q2,start_iter=0,ramp=0,q1,start_iter=0,ramp=0,topk:0.01,start_iter=0,ramp=0,randk:0.01,start_iter=0,ramp=0
 FIDELITY_MODEL = --steps 600 --d-model 128 --heads 4 --batch 2 --accum 4 --lr-decay cosine --lr 2e-3 --timeout 900
 FIDELITY_DATA = markov:--vocab=1024 text:--eval-batch=256
@@ -169,25 +169,28 @@ bench-fidelity: all
 	set -e; for d in $(FIDELITY_DATA); do c=$${d%%:*}; for s in 0 1 2 3; do \
 	  $(PY) -m ddpcomm.bench train --data $$c $${d#*:} --seed $$s --methods $(FIDELITY_METHODS) $(FIDELITY_MODEL) --out bench-out/fidelity/$$c-$$s.json; done; \
 	  $(STUDY) fidelity_$$c benchmarks/results/fidelity/$$c.json bench-out/fidelity/$$c-?.json; done
-	$(MAKE) bench-fidelity-q1
+	$(MAKE) bench-fidelity-normalized
 
-# q1 at its current default (normalize=64) on the same runs, with DDP beside it.
-.PHONY: bench-fidelity-q1
-bench-fidelity-q1: all
+# q2 and q1 at their current default (normalize=64) on the same runs, with DDP beside them.
+.PHONY: bench-fidelity-normalized
+bench-fidelity-normalized: all
 	mkdir -p bench-out/fidelity
-	set -e; for d in $(FIDELITY_DATA); do c=$${d%%:*}; for s in 0 1 2 3; do \
-	  $(PY) -m ddpcomm.bench train --data $$c $${d#*:} --seed $$s --methods ddp,$(Q1_N64) $(FIDELITY_MODEL) --out bench-out/fidelity/q1n-$$c-$$s.json; done; \
-	  $(STUDY) q1_normalize_$$c benchmarks/results/fidelity/q1_normalize_$$c.json bench-out/fidelity/q1n-$$c-?.json; done
+	set -e; for q in q1:$(Q1_N64) q2:$(Q2_N64); do for d in $(FIDELITY_DATA); do c=$${d%%:*}; for s in 0 1 2 3; do \
+	  $(PY) -m ddpcomm.bench train --data $$c $${d#*:} --seed $$s --methods ddp,$${q#*:} $(FIDELITY_MODEL) --out bench-out/fidelity/$${q%%:*}n-$$c-$$s.json; done; \
+	  $(STUDY) $${q%%:*}_normalize_$$c benchmarks/results/fidelity/$${q%%:*}_normalize_$$c.json bench-out/fidelity/$${q%%:*}n-$$c-?.json; done; done
 	$(PY) benchmarks/tables.py benchmarks/results/fidelity/markov.json benchmarks/results/fidelity/text.json
 	$(PY) benchmarks/plots.py
 
-# Steady state: where q1 and top-k lose accuracy with AdamW once past their warm-up. The
-# fidelity GPT on English text for 1200 steps, seeds 0-1: each method's gap and how far
-# each parameter kind's weights end from DDP's; one run that compares each bucket's
-# reduced gradient with the exact mean every 50 steps, by parameter kind; and runs whose
-# AdamW takes the exact mean in one of its moments (--adam-exact m, v).
+# Steady state: where q2, q1 and top-k lose accuracy with AdamW once past their warm-up.
+# The fidelity GPT on English text for 1200 steps, seeds 0-1: each method's gap and how
+# far each parameter kind's weights end from DDP's; one run that compares each bucket's
+# reduced gradient with the exact mean every 50 steps, by parameter kind; runs whose
+# AdamW takes the exact mean in one of its moments (--adam-exact m, v); and q2 with and
+# without normalize, seeds 0-3.
 Q1_N0 = q1,start_iter=100,ramp=200,normalize=0
 Q1_N64 = q1,start_iter=100,ramp=200,normalize=64
+Q2_N0 = q2,start_iter=100,ramp=200,normalize=0
+Q2_N64 = q2,start_iter=100,ramp=200,normalize=64
 TOPK_DEFAULT = topk:0.01,start_iter=200,ramp=200
 STEADY_METHODS = ddp,q8,q4,$(Q1_N0),$(Q1_N64),$(TOPK_DEFAULT),q1,start_iter=0,ramp=0,normalize=0
 STEADY_MODEL = --data text --eval-batch=256 --steps 1200 --d-model 128 --heads 4 --batch 2 --accum 4 --lr-decay cosine --lr 2e-3 --timeout 1800
@@ -199,4 +202,6 @@ bench-steady: all
 	$(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed 0 --probe-every 50 --methods ddp,q8,$(Q1_N0),$(Q1_N64),$(TOPK_DEFAULT) --out benchmarks/results/steady_state/probe.json
 	set -e; for m in m v; do $(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed 0 --adam-exact $$m --methods ddp,$(Q1_N0),$(Q1_N64),$(TOPK_DEFAULT) --out bench-out/steady/exact-$$m.json; done
 	$(STUDY) adam_exact benchmarks/results/steady_state/adam_exact.json bench-out/steady/exact-?.json
+	set -e; for s in 0 1 2 3; do $(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed $$s --methods ddp,$(Q2_N0),$(Q2_N64) --out bench-out/steady/q2-$$s.json; done
+	$(STUDY) steady_q2 benchmarks/results/steady_state/q2_1200.json bench-out/steady/q2-?.json
 	$(PY) benchmarks/plots.py

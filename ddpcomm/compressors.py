@@ -144,9 +144,9 @@ class Quantizer(Compressor):
         normalize: 0 (off), or K: a hook state compresses each element in units of its
             own gradient RMS, which every rank shares every K compressed steps (8.1 bits
             per element per refresh: 0.125 per step at K = 64). Gives AdamW back its
-            per-element scaling under q1 (``ddpcomm.normalize``). Flat DDP hooks only. ``None``
-            leaves it to the hook state: ``DEFAULT_NORMALIZE`` for q1 in a flat,
-            non-adaptive state, off otherwise and outside hooks.
+            per-element scaling under q2 and q1 (``ddpcomm.normalize``). Flat DDP hooks
+            only. ``None`` leaves it to the hook state: ``DEFAULT_NORMALIZE`` for q2 and q1
+            in a flat, non-adaptive state, off otherwise and outside hooks.
     """
 
     __slots__ = (
@@ -624,20 +624,20 @@ LOW_BIT_SCHEDULE = (100, 200)
 SPARSE_SCHEDULE = (200, 200)
 
 
-# q1's normalize in a flat DDP hook state unless given (ddpcomm.normalize): on the text
-# fidelity GPT with AdamW (1200 steps) it took q1's final gap to DDP from +13.4% to +6.8%
-# (seed 0) at K = 32 (the local average's decay then 0.95). At decay 0.8, seeds 0-3, a
-# refresh every K = 64 steps beat K = 32 at every seed (mean +4.25% against +5.15%) for
-# 0.125 more bits per element per step instead of 0.25; K = 16 did no better than 32.
+# q2's and q1's normalize in a flat DDP hook state unless given (ddpcomm.normalize). On the
+# text fidelity GPT with AdamW (1200 steps, 4 seeds) it took q1's final gap to DDP from
+# +13.9% (2 seeds) to +4.25% and q2's from +5.77% to +1.51%, for 0.125 more bits per
+# element per step at K = 64. At decay 0.8 a refresh every K = 64 steps beat K = 32 at every
+# seed for q1 (+4.25% against +5.15%); K = 16 did no better than 32.
 DEFAULT_NORMALIZE = 64
 
 
 def resolve_normalize(c: Compressor, flat_hook: bool) -> Compressor:
-    """``c`` with its ``normalize`` decided: as given, else ``DEFAULT_NORMALIZE`` for q1 in
-    a flat, non-adaptive hook state (``flat_hook``) and 0 for the rest."""
+    """``c`` with its ``normalize`` decided: as given, else ``DEFAULT_NORMALIZE`` for q2 and
+    q1 in a flat, non-adaptive hook state (``flat_hook``) and 0 for the rest."""
     if not isinstance(c, Quantizer) or c.normalize is not None:
         return c
-    k = DEFAULT_NORMALIZE if flat_hook and c.bits == 1 else 0
+    k = DEFAULT_NORMALIZE if flat_hook and c.bits <= 2 else 0
     return Quantizer(c.bits, c.block_size, c.stochastic, c.error_feedback, c.algorithm, c.seed, k)
 
 

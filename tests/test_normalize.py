@@ -34,16 +34,18 @@ def test_spec_and_bad_values():
         compressors.Quantizer(1, normalize=1.5)
 
 
-def test_hook_states_default_to_it_for_q1_alone():
+def test_hook_states_default_to_it_for_q2_and_q1_alone():
     k = compressors.DEFAULT_NORMALIZE
-    assert ddpcomm.CompressionState("q1").compressor.normalize == k
-    assert ddpcomm.QuantizeState(1).compressor.normalize == k
-    assert ddpcomm.CompressionState("q1,normalize=0").compressor.normalize == 0
-    for spec in ("q2", "q4", "q8"):
+    for bits in (1, 2):
+        assert ddpcomm.CompressionState(f"q{bits}").compressor.normalize == k
+        assert ddpcomm.QuantizeState(bits).compressor.normalize == k
+        assert ddpcomm.CompressionState(f"q{bits},normalize=0").compressor.normalize == 0
+    for spec in ("q4", "q8"):
         assert ddpcomm.CompressionState(spec).compressor.normalize == 0
     # Where it cannot run, the default is off (given explicitly, it is refused: below).
-    assert ddpcomm.CompressionState("q1", hierarchy=2).compressor.normalize == 0
-    assert ddpcomm.CompressionState("q1", adaptive=True).compressor.normalize == 0
+    for spec in ("q1", "q2"):
+        assert ddpcomm.CompressionState(spec, hierarchy=2).compressor.normalize == 0
+        assert ddpcomm.CompressionState(spec, adaptive=True).compressor.normalize == 0
 
 
 def test_refused_where_no_per_element_scale_is_kept():
