@@ -10,8 +10,9 @@ A study file holds several runs of one command (``{"command": "train", "study": 
 "runs": [result, ...]}``: the seeds of the fidelity study). Its table gives each spec's
 final held-out-loss gap to DDP's default at each seed, taken within each run against that
 run's own DDP row, with the mean and range over seeds. A spec measured by several runs at
-one seed takes the latest run. ``(default)`` marks the spec that a method runs at today's
-defaults (``ddpcomm.compressors.default_schedule``).
+one seed takes the latest run; a run under one of train's mechanism probes
+(``--adam-exact``, ``--exact-params``) is named with it. ``(default)`` marks the spec
+that a method runs at today's defaults (``ddpcomm.compressors.default_schedule``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import json
 import statistics
 import sys
 
+# train's mechanism probes: a run under one is another experiment, named beside its spec
+PROBES = ("adam_exact", "exact_params")
+
 
 def study_gaps(result: dict) -> dict[str, dict[int, float]]:
     """spec -> seed -> final held-out-loss gap to the same run's DDP (latest run wins)."""
@@ -28,9 +32,14 @@ def study_gaps(result: dict) -> dict[str, dict[int, float]]:
     for run in sorted(result["runs"], key=lambda r: r["environment"]["date_utc"]):
         rows = [r for r in run["rows"] if r["status"] == "ok"]
         base = next(r["eval_loss"] for r in rows if r["method"] == "ddp")
+        args = run["args"]
+        probes = "".join(
+            f" [--{k.replace('_', '-')} {args[k]}]" for k in PROBES if args.get(k) is not None
+        )
         for r in rows:
             if r["method"] != "ddp":
-                gaps.setdefault(r["method"], {})[run["args"]["seed"]] = r["eval_loss"] / base - 1
+                gap = r["eval_loss"] / base - 1
+                gaps.setdefault(r["method"] + probes, {})[args["seed"]] = gap
     return gaps
 
 
