@@ -185,12 +185,14 @@ bench-fidelity-normalized: all
 # The fidelity GPT on English text for 1200 steps, seeds 0-1: each method's gap and how
 # far each parameter kind's weights end from DDP's; one run that compares each bucket's
 # reduced gradient with the exact mean every 50 steps, by parameter kind; runs whose
-# AdamW takes the exact mean in one of its moments (--adam-exact m, v); and q2 with and
-# without normalize, seeds 0-3.
+# AdamW takes the exact mean in one of its moments (--adam-exact m, v); q2 with and
+# without normalize, seeds 0-3; and q1 with one parameter kind's gradients exact.
 Q1_N0 = q1,start_iter=100,ramp=200,normalize=0
 Q1_N64 = q1,start_iter=100,ramp=200,normalize=64
 Q2_N0 = q2,start_iter=100,ramp=200,normalize=0
 Q2_N64 = q2,start_iter=100,ramp=200,normalize=64
+# --exact-params: the token embedding, the head, the attention and the MLP weights exact
+EXACT_PARAMS = '^tok[.]' '^head[.]' '[.](qkv|proj)[.]' '[.](fc|out)[.]'
 TOPK_DEFAULT = topk:0.01,start_iter=200,ramp=200
 STEADY_METHODS = ddp,q8,q4,$(Q1_N0),$(Q1_N64),$(TOPK_DEFAULT),q1,start_iter=0,ramp=0,normalize=0
 STEADY_MODEL = --data text --eval-batch=256 --steps 1200 --d-model 128 --heads 4 --batch 2 --accum 4 --lr-decay cosine --lr 2e-3 --timeout 1800
@@ -204,4 +206,6 @@ bench-steady: all
 	$(STUDY) adam_exact benchmarks/results/steady_state/adam_exact.json bench-out/steady/exact-?.json
 	set -e; for s in 0 1 2 3; do $(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed $$s --methods ddp,$(Q2_N0),$(Q2_N64) --out bench-out/steady/q2-$$s.json; done
 	$(STUDY) steady_q2 benchmarks/results/steady_state/q2_1200.json bench-out/steady/q2-?.json
+	set -e; i=0; for p in $(EXACT_PARAMS); do i=$$((i + 1)); $(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed 0 --exact-params "$$p" --methods ddp,$(Q1_N64) --out bench-out/steady/params-$$i.json; done
+	$(STUDY) exact_params benchmarks/results/steady_state/exact_params.json bench-out/steady/params-?.json
 	$(PY) benchmarks/plots.py
