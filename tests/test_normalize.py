@@ -74,11 +74,11 @@ def _mixed_scales(rank: int, step: int) -> torch.Tensor:
     return x
 
 
-def _small_elements_error(rank, world, k):
+def _small_elements_error(rank, world, k, spec):
     """Relative error, in the small elements alone, of the mean of 12 steps' outputs
     against the mean of 12 steps' exact means (error feedback spreads each step's error
     over the next: over steps it is what the elements receive)."""
-    state = ddpcomm.CompressionState("q1", normalize=k, **FROM_START)
+    state = ddpcomm.CompressionState(spec, normalize=k, **FROM_START)
     got, exact, outs, sizes = torch.zeros(4096), torch.zeros(4096), [], []
     small = slice(1, None, 2)
     for step in range(12):
@@ -104,29 +104,34 @@ def _small_elements_error(rank, world, k):
     }
 
 
-def _body(rank, world):
-    return {k: _small_elements_error(rank, world, k) for k in (0, 4)}
+def _body(rank, world, spec):
+    return {k: _small_elements_error(rank, world, k, spec) for k in (0, 4)}
 
 
+@pytest.mark.parametrize("spec", ["q1", "q2"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_small_elements_keep_their_own_scale_on_every_rank(world):
-    results = run_ranks(_body, world)
+def test_small_elements_keep_their_own_scale_on_every_rank(world, spec):
+    results = run_ranks(_body, world, spec)
     plain, scaled = results[0][0], results[0][4]
-    # q1 sends every element of a block with the block's magnitude: per step the small
-    # elements arrive hundreds of times their size, and what error feedback delivers over
-    # 12 steps is still off by more than their own size. In their own units, neither.
-    assert plain["step_size"] > 100 and plain["err"] > 10, plain
+    # One block magnitude for every element: q1 sends the small elements hundreds of times
+    # their size per step, and what error feedback delivers over 12 steps is still off by
+    # more than their own size; q2 rounds them to zero, so over 12 steps nothing arrives.
+    # In their own units, neither.
+    if spec == "q1":
+        assert plain["step_size"] > 100 and plain["err"] > 10, plain
+    else:
+        assert plain["step_size"] == 0 and plain["err"] > 0.99, plain
     assert scaled["step_size"] < 2 and scaled["err"] < 0.5, scaled
     for r in results[1:]:  # bitwise the same mean on every rank
         for k in (0, 4):
             assert r[k]["outs"] == results[0][k]["outs"]
     # Refreshes at compressed steps 0, 4 and 8: an 8-bit all-reduce of the 4096 log2 RMS,
-    # counted as path "scale", on top of the 12 q1 reductions.
-    q1 = compressors.parse("q1")
+    # counted as path "scale", on top of the 12 quantized reductions.
+    code = compressors.parse(spec)
     q8 = compressors.Quantizer(8, error_feedback=False)
     assert scaled["paths"]["scale"] == 3, scaled["paths"]
-    expected = 12 * q1.wire_bytes(4096, world) + 3 * q8.wire_bytes(4096, world)
-    assert scaled["bytes"] == expected and plain["bytes"] == 12 * q1.wire_bytes(4096, world)
+    expected = 12 * code.wire_bytes(4096, world) + 3 * q8.wire_bytes(4096, world)
+    assert scaled["bytes"] == expected and plain["bytes"] == 12 * code.wire_bytes(4096, world)
 
 
 def _non_finite_body(rank, world):
