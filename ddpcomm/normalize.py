@@ -6,8 +6,8 @@ its own running RMS, sees the block's scale in every element and loses the per-e
 adaptivity it exists for: an element whose gradients are small next to its block's is
 pushed by noise as large as the block's typical gradient (benchmarks/RESULTS.md, "Steady
 state with AdamW", measures what that costs).
-A 2-bit code sends four levels of one block magnitude: the same loss, to a lesser
-degree (both are measured there).
+A 2-bit code sends three levels of one block magnitude m (-m, 0, m; m is 1.5x the block's
+mean |x|, at most its largest): the same loss, to a lesser degree (both measured there).
 
 With ``normalize=K`` each element is divided by a scale every rank shares before it is
 compressed, and the mean is multiplied back after: the code's error in each element is
