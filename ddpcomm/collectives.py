@@ -517,7 +517,7 @@ def _topk(flat: torch.Tensor, c: TopK, ctx: ReduceContext) -> Future:
                 # Every rank holds the same sum, so all agree on resetting.
                 if residual is not None:
                     ctx.reset_unless(torch.isfinite(total).all())
-                total.div_(world)
+                total.div_(ops.divisor(world, total))
                 if scratch is not None:
                     flat.copy_(total)
             return flat

@@ -56,6 +56,17 @@ def payload_bytes(numel: int, bits: int, block_size: int) -> int:
     return (numel + block_size - 1) // block_size * (4 + block_size * bits // 8)
 
 
+def divisor(n: int, like: torch.Tensor):
+    """``n`` for dividing ``like`` by it with the correctly rounded quotient on every device,
+    as the kernels (and the CPU) divide: torch's CUDA division by a Python number
+    multiplies by its reciprocal instead, whose product can differ from the quotient in
+    the last bit (n = 3, say), so off the CPU ``n`` comes as a 0-dim float32 tensor on
+    ``like``'s device (which keeps ``like``'s dtype in the division)."""
+    if like.device.type == "cpu":
+        return n
+    return torch.full((), float(n), dtype=torch.float32, device=like.device)
+
+
 def check_int(value, arg: str, lo: int, hi: int | None = None) -> int:
     """``value`` as an int: Python and numpy integers pass, bools and floats (even 8.0)
     raise TypeError, values outside [lo, hi] ValueError."""

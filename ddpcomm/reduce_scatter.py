@@ -156,7 +156,7 @@ def _sum_rows(rows: torch.Tensor, out: torch.Tensor, divisor: int, ctx: ReduceCo
     for row in rows[1:]:
         acc.add_(row)
     if divisor != 1:
-        acc.div_(divisor)
+        acc.div_(ops.divisor(divisor, acc))
     if acc is not out:
         out.copy_(acc)
 

@@ -283,7 +283,7 @@ def _topk(c: TopK, flat, residual, pg, world: int) -> torch.Tensor:
         total = fcol.all_reduce(mine, "sum", pg)
         if residual is not None:
             _reset_unless(residual, total)
-        return total.div(world).to(flat.dtype)
+        return total.div(ops.divisor(world, total)).to(flat.dtype)
     rows = _all_gather(payload, 0, pg).view(world, -1)
     mean = ops.sparse_accumulate(rows, n, k, world, vdtype, flat.dtype, check=False)
     if residual is not None:
