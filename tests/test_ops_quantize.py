@@ -4,6 +4,7 @@ section sweeps the CUDA kernels' launch paths, which the CPU kernels do not have
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -305,15 +306,16 @@ def test_dequantize_sum_times_a_scale(device, bits, dtype):
 def test_dequantize_sum_bad_scales(device):
     p = ops.quantize(torch.randn(100, device=device), None, 8, 64).view(1, -1)
     out = torch.empty(100, device=device)
-    for scale in (torch.ones(99), torch.ones(100, dtype=torch.float64), torch.ones(200)[::2]):
+    ones = functools.partial(torch.ones, device=device)  # .to("cuda") would make [::2] dense
+    for scale in (ones(99), ones(100, dtype=torch.float64), ones(200)[::2]):
         with pytest.raises(
             RuntimeError, match="dequantize_sum: scale must be a contiguous float32"
         ):
-            ops.dequantize_sum(p, 100, 8, 64, 1, torch.float32, out, scale.to(device))
+            ops.dequantize_sum(p, 100, 8, 64, 1, torch.float32, out, scale)
         with pytest.raises(
             RuntimeError, match="dequantize_sum: scale must be a contiguous float32"
         ):
-            torch.ops.ddpcomm.dequantize_sum_into(p, out, 8, 64, 1, scale.to(device))
+            torch.ops.ddpcomm.dequantize_sum_into(p, out, 8, 64, 1, scale)
     with pytest.raises(ValueError, match="dequantize_sum: scale and out share memory"):
         ops.dequantize_sum(p, 100, 8, 64, 1, torch.float32, out, out)
 
