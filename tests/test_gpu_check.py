@@ -79,5 +79,24 @@ def test_on_a_gpu_every_step_runs_and_the_report_judges_the_targets(
         cmd = by_step[f"compute-sanitizer {tool}"][0]
         assert cmd[:3] == ["compute-sanitizer", "--tool", tool]
         assert "tests/test_ops_sparse.py" in cmd and "tests/test_ops_quantize.py" in cmd
+        assert cmd[cmd.index("-k") + 1] == gpu_check.SANITIZE_K[tool]
     bench = by_step["kernels bench"][0]
     assert "--device" in bench and "cuda" in bench and "64,256" in bench
+
+
+def test_a_step_failed_earlier_is_reported_but_does_not_fail_a_later_run(tmp_path, monkeypatch):
+    gpu_check = _module()
+    card = {"torch": "2.11", "cuda": "13.0", "gpu": "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(gpu_check, "probe", lambda: {**card, "capability": "9.0", "memory_gb": 79})
+
+    def run(step, cmd, timeout, env=None):
+        ok = step.name != "compute-sanitizer racecheck"
+        step.outcome = "pass" if ok else "FAIL (exit 1)"
+        return ok
+
+    monkeypatch.setattr(gpu_check.Step, "run", run)
+    out = tmp_path / "report.txt"
+    assert gpu_check.main(["--out", str(out), "--only", "sanitize"]) == 1
+    assert gpu_check.main(["--out", str(out), "--only", "build"]) == 0
+    (line,) = [x for x in out.read_text().splitlines() if x.startswith("compute-sanitizer race")]
+    assert "FAIL (exit 1)" in line
