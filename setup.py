@@ -42,7 +42,7 @@ def _cpu_build():
     """The C++ ops' CPU flags, extra sources and a description, portable unless asked.
 
     Default on x86-64: the baseline x86-64 for every file (a wheel runs on any x86-64
-    CPU), and the vector-heavy families (quantize, top-k, random-k, scale) compiled a second
+    CPU), and the vector-heavy families (quantize, top-k, random-k) compiled a second
     time for x86-64-v3 (AVX2) from csrc/cpu/avx2/, picked at load where the CPU has it
     (csrc/cpu/dispatch.h). DDPCOMM_CPU_ARCH=native (or another -march value) instead
     builds every file once for that target, with no dispatch: for the building machine

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <climits>
 #include <optional>
@@ -291,27 +292,44 @@ inline int64_t check_randk_decompress(const at::Tensor& values, const at::Tensor
   return check_strata(start, end, values.numel(), op);
 }
 
-// scale_into: x a float tensor; scale and the optional average contiguous float32 tensors of
-// x's numel on x's device, apart from x and each other; beta in [0, 1).
-inline void check_scale_into(const at::Tensor& x, const std::optional<at::Tensor>& average,
-                             const at::Tensor& scale, double beta) {
-  const char* op = "scale_into";
-  check_float_tensor(x, "x", op);
-  TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous");
+// scale_quantize_into: quantize_into's checks (named "quantize", the ops.py function that
+// takes a scale); scale and the optional average contiguous float32 tensors of x's numel on
+// x's device, apart from x, the residual, out and each other; beta in [0, 1).
+inline void check_scale_quantize(const at::Tensor& x, const std::optional<at::Tensor>& average,
+                                 const at::Tensor& scale, double beta,
+                                 const std::optional<at::Tensor>& residual, const at::Tensor& out,
+                                 int64_t bits, int64_t block_size) {
+  const char* op = "quantize";
+  check_quantize(x, residual, out, bits, block_size);
+  TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous when a scale is given");
   TORCH_CHECK(beta >= 0.0 && beta < 1.0, op, ": beta must be in [0, 1), got ", beta);
   check_float32_like(scale, "scale", x, "x", op);
+  check_apart(residual, "residual", scale, "scale", op);
+  check_apart(out, "out", scale, "scale", op);
   if (average) {
     check_float32_like(*average, "average", x, "x", op);
     check_apart(*average, "average", scale, "scale", op);
+    check_apart(residual, "residual", *average, "average", op);
+    check_apart(out, "out", *average, "average", op);
   }
 }
 
-// scale_into as torch ops: the arithmetic of the CPU kernel (and of reference.scale_into),
-// for every other device and dtype.
-inline void scale_into_aten(const at::Tensor& x, const std::optional<at::Tensor>& average,
-                            const at::Tensor& scale, double beta) {
+// scale_quantize_into as torch ops (reference.scale_down's arithmetic), then quantize_into:
+// for every device and dtype without a native pass.
+inline void scale_quantize_aten(const at::Tensor& x, const std::optional<at::Tensor>& average,
+                                const at::Tensor& scale, double beta,
+                                const std::optional<at::Tensor>& residual, const at::Tensor& out,
+                                int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
+                                int64_t step, int64_t rng_offset) {
+  check_scale_quantize(x, average, scale, beta, residual, out, bits, block_size);
   if (average) average->mul_(beta).addcmul_(x, x, 1.0 - beta);
-  x.div_(scale);
+  const at::Tensor y = at::div(x, scale).to(x.scalar_type());
+  static const auto quantize = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("ddpcomm::quantize_into", "")
+                                   .typed<void(const at::Tensor&, const std::optional<at::Tensor>&,
+                                               const at::Tensor&, int64_t, int64_t, bool, int64_t,
+                                               int64_t, int64_t)>();
+  quantize.call(y, residual, out, bits, block_size, stochastic, seed, step, rng_offset);
 }
 
 }  // namespace ddpcomm

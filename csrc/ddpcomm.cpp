@@ -59,19 +59,21 @@ TORCH_LIBRARY(ddpcomm, m) {
       "randk_decompress_into(Tensor values, Tensor(a!) out, int seed, int step, int bucket, "
       "int divisor, int start=0, int end=-1) -> ()");
 
-  // A quantizer's normalize (ddpcomm/normalize.py): x /= scale, after average = beta * average
-  // + (1 - beta) * x^2 where an average is given. One native pass for float32 on the CPU;
-  // torch's ops with the same arithmetic (reference.scale_into) for other dtypes and devices.
-  m.def("scale_into(Tensor(a!) x, Tensor(b!)? average, Tensor scale, float beta) -> ()");
+  // A quantizer's normalize (ddpcomm/normalize.py): quantize_into of y = x / scale (rounded to
+  // x's dtype) instead of x, after average = beta * average + (1 - beta) * x^2 where an
+  // average is given; x itself is left as it is. One native pass for float32 on the CPU
+  // (the division happens as each block is staged); elsewhere torch's ops with the same
+  // arithmetic (reference.scale_down), then quantize_into.
+  m.def(
+      "scale_quantize_into(Tensor x, Tensor(a!)? average, Tensor scale, float beta, "
+      "Tensor(b!)? residual, Tensor(c!) out, int bits, int block_size, bool stochastic=False, "
+      "int seed=0, int step=0, int rng_offset=0) -> ()");
 }
 
-// scale_into where no device has its own kernel (CUDA: memory-bound passes there anyway).
+// scale_quantize_into where no device has its own kernel (CUDA: the division is one more
+// memory-bound pass there, next to the quantize kernel's).
 TORCH_LIBRARY_IMPL(ddpcomm, CompositeExplicitAutograd, m) {
-  m.impl("scale_into", [](const at::Tensor& x, const std::optional<at::Tensor>& average,
-                          const at::Tensor& scale, double beta) {
-    ddpcomm::check_scale_into(x, average, scale, beta);
-    ddpcomm::scale_into_aten(x, average, scale, beta);
-  });
+  m.impl("scale_quantize_into", &ddpcomm::scale_quantize_aten);
 }
 
 namespace {

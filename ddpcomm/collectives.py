@@ -248,8 +248,6 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
     def prepare(i):
         (r0, r1), (e0, e1) = pieces[i], elements(i)
         with ctx.stats.timer():
-            if ctx.scaling is not None:
-                ctx.scaling.down(e0, e1)
             ops.quantize(
                 flat[e0:e1],
                 None if residual is None else residual[e0:e1],
@@ -260,6 +258,7 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
                 ctx.step,
                 rank * n + e0,
                 out=packed[r0 * rec : r1 * rec],
+                **_scaled(ctx, e0, e1),
             )
 
     def land(i, rows):
@@ -315,8 +314,6 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
             for d in range(world):
                 e0, e1 = elements(d, c0, c1)
                 if e1 > e0:
-                    if ctx.scaling is not None:
-                        ctx.scaling.down(e0, e1)
                     ops.quantize(
                         flat[e0:e1],
                         None if residual is None else residual[e0:e1],
@@ -327,6 +324,7 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
                         ctx.step,
                         rank * stride + e0,
                         out=out[at : at + splits[d]],
+                        **_scaled(ctx, e0, e1),
                     )
                 at += splits[d]
 
@@ -432,6 +430,11 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
 def _scale(ctx: ReduceContext, e0: int, e1: int) -> torch.Tensor | None:
     """What the decode of elements [e0, e1) multiplies by: the normalize scale, or None."""
     return None if ctx.scaling is None else ctx.scaling.scale[e0:e1]
+
+
+def _scaled(ctx: ReduceContext, e0: int, e1: int) -> dict:
+    """What the quantize of elements [e0, e1) divides by: the normalize scale's arguments."""
+    return {} if ctx.scaling is None else ctx.scaling.args(e0, e1)
 
 
 def _stream_seed(seed: int, key) -> int:

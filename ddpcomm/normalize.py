@@ -32,7 +32,7 @@ import weakref
 
 import torch
 
-from ddpcomm import collectives, layout, ops
+from ddpcomm import collectives, layout
 from ddpcomm.compressors import Quantizer
 from ddpcomm.context import ReduceContext
 
@@ -47,28 +47,28 @@ def observe(flat: torch.Tensor, ctx: ReduceContext) -> torch.Tensor:
     """Adds this step's local gradient to the local average (plain steps too, so the
     first compressed step starts from a formed average), and returns that average."""
     local = ctx.residual("rms_local", flat.numel(), flat.device)
-    with ctx.stats.timer():  # ops.scale_into's arithmetic, without the division
+    with ctx.stats.timer():  # ops.quantize's average arithmetic, where it has a scale
         return local.mul_(BETA).addcmul_(flat, flat, value=1 - BETA)
 
 
 class Scaling:
-    """A bucket in units of the shared scale, range by range: ``down(e0, e1)`` divides
-    elements [e0, e1) of the bucket by their scale (adding them to the local average first,
-    unless this step's refresh already did); ``scale[e0:e1]`` is what the codec's mean of
-    them is multiplied by on the way back (the dequantize ops' ``scale``). The quantizers
-    take them for each piece as it is quantized and as it lands, so that these passes run
-    while other pieces are on the wire; every element goes down once and up once, and each
-    is elementwise, so the pieces give the bits of one pass over the bucket. Untimed: the
-    callers' own timers count them."""
+    """A bucket in units of the shared scale, range by range: ``args(e0, e1)`` are the
+    arguments that make ops.quantize code elements [e0, e1) of the bucket divided by their
+    scale (adding them to the local average first, unless this step's refresh already did);
+    ``scale[e0:e1]`` is what the codec's mean of them is multiplied by on the way back (the
+    dequantize ops' ``scale``). The quantizers take them for each piece as it is quantized
+    and as it lands, so that these passes run while other pieces are on the wire; every
+    element goes down once and up once, and each is elementwise, so the pieces give the bits
+    of one pass over the bucket."""
 
-    __slots__ = ("flat", "local", "scale", "observing")
+    __slots__ = ("local", "scale", "observing")
 
-    def __init__(self, flat, local, scale, observing: bool) -> None:
-        self.flat, self.local, self.scale, self.observing = flat, local, scale, observing
+    def __init__(self, local, scale, observing: bool) -> None:
+        self.local, self.scale, self.observing = local, scale, observing
 
-    def down(self, e0: int, e1: int) -> None:
+    def args(self, e0: int, e1: int) -> dict:
         average = self.local[e0:e1] if self.observing else None
-        ops.scale_into(self.flat[e0:e1], average, self.scale[e0:e1], BETA)
+        return {"scale": self.scale[e0:e1], "average": average, "beta": BETA}
 
 
 def scaling(flat: torch.Tensor, c: Quantizer, ctx: ReduceContext, done: int) -> Scaling:
@@ -85,7 +85,7 @@ def scaling(flat: torch.Tensor, c: Quantizer, ctx: ReduceContext, done: int) -> 
     scale = _cached(shared)
     if scale is None:  # loaded, or carried to a new bucket: worked out once
         scale = _cache(shared, effective_scale(shared))
-    return Scaling(flat, local, scale, observing=not refresh)
+    return Scaling(local, scale, observing=not refresh)
 
 
 # shared scale's id -> (a weak reference to it, its effective_scale): worked out at each

@@ -283,11 +283,20 @@ def quantize(
     step: int = 0,
     rng_offset: int = 0,
     out: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    average: torch.Tensor | None = None,
+    beta: float = 0.0,
 ) -> torch.Tensor:
     """Packs ``x`` (+ ``residual``, updated in place) into one uint8 payload.
 
     With ``out`` (uint8, at least ``payload_bytes`` long) the payload is written there and
     ``out`` is returned: reusing a buffer saves an allocation and its page faults per call.
+
+    With ``scale`` (a contiguous float32 tensor of x's size) the payload is that of
+    ``x / scale``, rounded to x's dtype, and ``average`` (likewise, where given) first
+    becomes ``beta * average + (1 - beta) * x * x``: a quantizer's normalize
+    (reference.scale_down's arithmetic). ``x`` is left as it is: on the CPU the division
+    happens as each block is read, in one pass over a float32 bucket.
 
     >>> p = quantize(torch.tensor([1.0, -0.5, 0.25, 0.0]), None, 8, 32)
     >>> p.numel(), p[:4].view(torch.float32).item(), p[4:8].tolist()
@@ -299,7 +308,14 @@ def quantize(
     if out is None:
         _check_bits_block(bits, block_size, "quantize")
         out = x.new_empty(payload_bytes(x.numel(), bits, block_size), dtype=torch.uint8)
-    _ops.quantize_into(x, residual, out, bits, block_size, stochastic, seed, step, rng_offset)
+    if scale is None:
+        _check(average is None, "quantize: average is given without a scale")
+        _ops.quantize_into(x, residual, out, bits, block_size, stochastic, seed, step, rng_offset)
+        return out
+    _check_scale_quantize(x, average, scale, beta, residual, out, bits, block_size)
+    _ops.scale_quantize_into(
+        x, average, scale, beta, residual, out, bits, block_size, stochastic, seed, step, rng_offset
+    )
     return out
 
 
@@ -402,9 +418,7 @@ def dequantize_sum_requantize(
     return out
 
 
-@torch.library.register_fake("ddpcomm::quantize_into")
-def _(x, residual, out, bits, block_size, stochastic=False, seed=0, step=0, rng_offset=0):
-    op = "quantize"
+def _check_quantize(x, residual, out, bits, block_size, op="quantize"):
     _check_bits_block(bits, block_size, op)
     _check_float_tensor(x, "x", op)
     _check_residual(residual, x.numel(), x.device, op)
@@ -412,6 +426,34 @@ def _(x, residual, out, bits, block_size, stochastic=False, seed=0, step=0, rng_
     _check_apart(out, "out", x, "x", op)
     _check_apart(residual, "residual", x, "x", op)
     _check_apart(residual, "residual", out, "out", op)
+
+
+@torch.library.register_fake("ddpcomm::quantize_into")
+def _(x, residual, out, bits, block_size, stochastic=False, seed=0, step=0, rng_offset=0):
+    _check_quantize(x, residual, out, bits, block_size)
+
+
+def _check_scale_quantize(x, average, scale, beta, residual, out, bits, block_size):
+    """checks.h check_scale_quantize."""
+    op = "quantize"
+    _check_quantize(x, residual, out, bits, block_size)
+    _check(x.is_contiguous(), f"{op}: x must be contiguous when a scale is given")
+    _check(
+        isinstance(beta, float) and 0.0 <= beta < 1.0, f"{op}: beta must be in [0, 1), got {beta}"
+    )
+    _check_float32_like(scale, "scale", x, "x", op)
+    _check_apart(residual, "residual", scale, "scale", op)
+    _check_apart(out, "out", scale, "scale", op)
+    if average is not None:
+        _check_float32_like(average, "average", x, "x", op)
+        _check_apart(average, "average", scale, "scale", op)
+        _check_apart(residual, "residual", average, "average", op)
+        _check_apart(out, "out", average, "average", op)
+
+
+@torch.library.register_fake("ddpcomm::scale_quantize_into")
+def _(x, average, scale, beta, residual, out, bits, block_size, *args):
+    _check_scale_quantize(x, average, scale, beta, residual, out, bits, block_size)
 
 
 def _check_float32_like(t, arg, ref, ref_arg, op):
@@ -783,33 +825,6 @@ def randk_decompress(
         values, out, seed, step, bucket, divisor, start, -1 if end is None else end
     )
     return out
-
-
-def _check_scale_into(x, average, scale, beta, op="scale_into"):
-    _check_float_tensor(x, "x", op)
-    _check(x.is_contiguous(), f"{op}: x must be contiguous")
-    _check(
-        isinstance(beta, float) and 0.0 <= beta < 1.0, f"{op}: beta must be in [0, 1), got {beta}"
-    )
-    _check_float32_like(scale, "scale", x, "x", op)
-    _check_float32_like(average, "average", x, "x", op)
-    _check_apart(average, "average", scale, "scale", op)
-
-
-def scale_into(
-    x: torch.Tensor, average: torch.Tensor | None, scale: torch.Tensor, beta: float
-) -> None:
-    """``x /= scale`` in place, after ``average = beta * average + (1 - beta) * x**2`` when
-    an ``average`` is given (normalize.py's step, reference.scale_into's arithmetic): one
-    native pass over a float32 bucket on the CPU, torch's ops elsewhere. ``scale`` and
-    ``average`` are float32 tensors of x's size."""
-    _check_scale_into(x, average, scale, beta)
-    _ops.scale_into(x, average, scale, beta)
-
-
-@torch.library.register_fake("ddpcomm::scale_into")
-def _(x, average, scale, beta):
-    _check_scale_into(x, average, scale, beta)
 
 
 @torch.library.register_fake("ddpcomm::topk_compress_into")

@@ -512,9 +512,12 @@ def randk_decompress(
     return canonical(out.to(dtype))
 
 
-def scale_into(x: torch.Tensor, average: torch.Tensor | None, scale: torch.Tensor, beta: float):
-    """normalize's step in place: ``average = beta * average + (1 - beta) * x * x`` (torch's
-    addcmul_: on a CPU with FMA, fma((1 - beta) * x, x, beta * average)), then ``x /= scale``."""
+def scale_down(
+    x: torch.Tensor, average: torch.Tensor | None, scale: torch.Tensor, beta: float
+) -> torch.Tensor:
+    """normalize's way in: ``average = beta * average + (1 - beta) * x * x`` in place (torch's
+    addcmul_: on a CPU with FMA, fma((1 - beta) * x, x, beta * average)), then ``x / scale``
+    rounded to x's dtype, the values ops.quantize quantizes when given a ``scale``."""
     if average is not None:
         average.mul_(beta).addcmul_(x, x, value=1 - beta)
-    x.div_(scale)
+    return (x / scale).to(x.dtype)

@@ -75,8 +75,10 @@ def kernel_digests() -> dict[str, str]:
         values = ops.randk_compress(x, residual, n // 100, 4, 5, 6)
         put(f"randk-{dtype}", values, residual, ops.randk_decompress(values, n, 4, 5, 6, 2, dtype))
     x, average = floats(n, next(seeds)) * 10, floats(n, next(seeds)).abs()
-    ops.scale_into(x, average, floats(n, next(seeds)).abs() + 0.01, 0.95)
-    put("scale", x, average)
+    residual = floats(n, next(seeds)) * 0.1
+    scale = floats(n, next(seeds)).abs() + 0.01
+    p = ops.quantize(x, residual, 2, 256, scale=scale, average=average, beta=0.95)
+    put("scale", p, residual, average)
     return out
 
 

@@ -2,7 +2,7 @@
 K compressed steps. Checked: the spec and where it is refused; that an element far
 smaller than its block's others keeps a relative error of its own size; identical
 results and counted refresh bytes at 2 and 3 ranks; a non-finite step; the native step
-(ops.scale_into) against its reference. Carrying the scales across layout changes and
+(ops.quantize with a scale) against its reference. Carrying the scales across layout changes and
 resumes is in test_checkpoint.py."""
 
 from __future__ import annotations
@@ -161,9 +161,10 @@ def test_effective_scale_floors():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_scale_into_matches_reference(threads):
-    # Bitwise: the CPU kernel (float32) and torch's ops (other dtypes), at sizes that leave
-    # vector tails and split over threads; the average only where one is given.
+def test_scaled_quantize_matches_reference(threads):
+    # Bitwise: the payload, residual and average of the CPU kernel (float32, the division as
+    # each block is staged) and of torch's ops (other dtypes) are the reference's, at sizes
+    # that leave vector and block tails and split over threads; x is left as it is.
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -173,20 +174,28 @@ def test_scale_into_matches_reference(threads):
                 x = (torch.randn(n, generator=g) * 30).to(dtype)
                 average = torch.rand(n, generator=g)
                 scale = torch.rand(n, generator=g) + 0.01
-                for avg in (average, None):
-                    got_x, want_x = x.clone(), x.clone()
-                    got_a = None if avg is None else avg.clone()
-                    want_a = None if avg is None else avg.clone()
-                    ops.scale_into(got_x, got_a, scale, normalize.BETA)
-                    reference.scale_into(want_x, want_a, scale, normalize.BETA)
-                    assert torch.equal(got_x, want_x), (n, dtype)
-                    assert avg is None or torch.equal(got_a, want_a), (n, dtype)
+                residual = torch.randn(n, generator=g) * 0.1
+                for bits, avg, res in (
+                    (1, average, residual),
+                    (2, None, residual),
+                    (8, average, None),
+                ):
+                    got = [None if t is None else t.clone() for t in (x, avg, res)]
+                    want = [None if t is None else t.clone() for t in (x, avg, res)]
+                    payload = ops.quantize(
+                        got[0], got[2], bits, 256, scale=scale, average=got[1], beta=normalize.BETA
+                    )
+                    y = reference.scale_down(want[0], want[1], scale, normalize.BETA)
+                    expected = reference.quantize(y, want[2], bits, 256)
+                    assert torch.equal(payload, expected), (n, dtype, bits)
+                    for g_t, w_t in zip(got, want, strict=True):
+                        assert g_t is None or torch.equal(g_t, w_t), (n, dtype, bits)
     finally:
         torch.set_num_threads(before)
 
 
-def test_scale_into_bad_inputs_name_the_argument():
-    x, s = torch.randn(8), torch.rand(8)
+def test_scaled_quantize_bad_inputs_name_the_argument():
+    x, s, out = torch.randn(8), torch.rand(8), torch.empty(64, dtype=torch.uint8)
     bad = [
         ((x, None, s.double(), 0.9), "scale must be a contiguous float32"),
         ((x, torch.rand(7), s, 0.9), "average must be a contiguous float32"),
@@ -194,13 +203,17 @@ def test_scale_into_bad_inputs_name_the_argument():
         ((x, None, s, 1.0), "beta must be in [0, 1)"),
         ((x, None, x, 0.9), "scale and x share memory"),
         ((x, s, s, 0.9), "average and scale share memory"),
+        ((torch.randn(16)[::2], None, s, 0.9), "x must be contiguous when a scale is given"),
         ((x.int(), None, s, 0.9), "x must be float32, float16 or bfloat16"),
     ]
-    for args, message in bad:
-        pattern = re.escape(f"scale_into: {message}")
+    for (xx, average, scale, beta), message in bad:
+        pattern = re.escape(f"quantize: {message}")
         with pytest.raises((ValueError, RuntimeError), match=pattern):
-            ops.scale_into(*args)
-        with pytest.raises((ValueError, RuntimeError), match=pattern):
-            torch.ops.ddpcomm.scale_into(*args)  # the native checks, without the wrapper's
-    torch.library.opcheck(torch.ops.ddpcomm.scale_into.default, (x.clone(), s.clone(), s, 0.9))
-    torch.library.opcheck(torch.ops.ddpcomm.scale_into.default, (x.half(), None, s, 0.9))
+            ops.quantize(xx, None, 8, 32, out=out, scale=scale, average=average, beta=beta)
+        with pytest.raises((ValueError, RuntimeError), match=pattern):  # the native checks
+            torch.ops.ddpcomm.scale_quantize_into(xx, average, scale, beta, None, out, 8, 32)
+    with pytest.raises(RuntimeError, match="quantize: average is given without a scale"):
+        ops.quantize(x, None, 8, 32, average=s)
+    op = torch.ops.ddpcomm.scale_quantize_into.default
+    torch.library.opcheck(op, (x, s.clone(), s, 0.9, torch.zeros(8), out.clone(), 1, 32))
+    torch.library.opcheck(op, (x.half(), None, s, 0.9, None, out.clone(), 2, 32))

@@ -57,14 +57,12 @@ TORCH_LIBRARY_IMPL(ddpcomm, CPU, m) {
     avx2::register_quantize(m);
     avx2::register_topk(m);
     avx2::register_randk(m);
-    avx2::register_scale(m);
     return;
   }
 #endif
   baseline::register_quantize(m);
   baseline::register_topk(m);
   baseline::register_randk(m);
-  baseline::register_scale(m);
 }
 
 }  // namespace ddpcomm

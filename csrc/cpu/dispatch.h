@@ -1,4 +1,4 @@
-// Runtime CPU dispatch for the vector-heavy op families: quantize, top-k, random-k, scale.
+// Runtime CPU dispatch for the vector-heavy op families: quantize, top-k, random-k.
 //
 // A portable build (setup.py's default on x86-64) compiles each of those files twice: as
 // itself for the baseline (x86-64: SSE2) into namespace ddpcomm::baseline, and through
@@ -43,13 +43,11 @@ namespace baseline {
 void register_quantize(torch::Library& m);
 void register_topk(torch::Library& m);
 void register_randk(torch::Library& m);
-void register_scale(torch::Library& m);
 }  // namespace baseline
 namespace avx2 {
 void register_quantize(torch::Library& m);
 void register_topk(torch::Library& m);
 void register_randk(torch::Library& m);
-void register_scale(torch::Library& m);
 }  // namespace avx2
 
 }  // namespace ddpcomm

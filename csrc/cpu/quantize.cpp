@@ -14,6 +14,7 @@
 
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -594,10 +595,20 @@ void encode_blocks(const Encoder& enc, int64_t b0, int64_t b1, int64_t B, int64_
   }
 }
 
-void quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                       const at::Tensor& packed, int64_t bits, int64_t block_size, bool stochastic,
-                       int64_t seed, int64_t step, int64_t rng_offset) {
-  check_quantize(x, residual, packed, bits, block_size);
+// normalize's division on the way in (scale_quantize_into): y = x / scale, after the average
+// of squares takes x, in the arithmetic of the scale_down reference (its fma is torch's
+// addcmul_ on a CPU with FMA; the baseline's libm fma has the same bits).
+struct Scaling {
+  const float* scale;
+  float* average;  // or null
+  float keep, take;
+};
+
+// quantize_into, and with a Scaling scale_quantize_into: each block is staged as y (+ the
+// residual) in the same pass that reads x, so the bucket is not written and read back.
+void quantize_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                  const at::Tensor& packed, int64_t bits, int64_t block_size, bool stochastic,
+                  int64_t seed, int64_t step, int64_t rng_offset, const Scaling* scaling) {
   const int64_t n = x.numel();
   const at::Tensor xc = x.contiguous();
   float* res = residual ? residual->data_ptr<float>() : nullptr;
@@ -614,7 +625,8 @@ void quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& res
       const bool tree_first = uses_mean((int)bits, stochastic);
       auto stage = [&](int64_t blk, int slot) -> const float* {
         const int64_t start = blk * B, valid = std::min(B, n - start);
-        if (std::is_same_v<scalar_t, float> && res == nullptr && valid == B) {
+        if (std::is_same_v<scalar_t, float> && res == nullptr && scaling == nullptr &&
+            valid == B) {
           // A full fp32 block is read in place. Staging is one streaming pass that the
           // hardware prefetcher keeps up with (quantize_ef lost 15% of a copy to prefetches).
           if (tree_first && blk + ahead < nb)
@@ -622,7 +634,21 @@ void quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& res
           return reinterpret_cast<const float*>(xp + start);
         }
         float* e = s.e[slot].data();
-        for (int64_t j = 0; j < valid; ++j) e[j] = static_cast<float>(xp[start + j]);
+        if (scaling != nullptr) {
+          const float* sp = scaling->scale + start;
+          float* ap = scaling->average != nullptr ? scaling->average + start : nullptr;
+          if (ap != nullptr) {
+            for (int64_t j = 0; j < valid; ++j) {
+              const float v = static_cast<float>(xp[start + j]);
+              ap[j] = std::fma(scaling->take * v, v, ap[j] * scaling->keep);
+            }
+          }
+          for (int64_t j = 0; j < valid; ++j) {
+            e[j] = static_cast<float>(static_cast<scalar_t>(static_cast<float>(xp[start + j]) / sp[j]));
+          }
+        } else {
+          for (int64_t j = 0; j < valid; ++j) e[j] = static_cast<float>(xp[start + j]);
+        }
         if (res != nullptr) {
           for (int64_t j = 0; j < valid; ++j) e[j] = e[j] + res[start + j];
         }
@@ -638,6 +664,29 @@ void quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& res
       }
     });
   });
+}
+
+void quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                       const at::Tensor& packed, int64_t bits, int64_t block_size, bool stochastic,
+                       int64_t seed, int64_t step, int64_t rng_offset) {
+  check_quantize(x, residual, packed, bits, block_size);
+  quantize_cpu(x, residual, packed, bits, block_size, stochastic, seed, step, rng_offset, nullptr);
+}
+
+void scale_quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& average,
+                             const at::Tensor& scale, double beta,
+                             const std::optional<at::Tensor>& residual, const at::Tensor& packed,
+                             int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
+                             int64_t step, int64_t rng_offset) {
+  check_scale_quantize(x, average, scale, beta, residual, packed, bits, block_size);
+  if (x.scalar_type() != at::kFloat) {  // torch's mixed-dtype addcmul_ sets those bits
+    return scale_quantize_aten(x, average, scale, beta, residual, packed, bits, block_size,
+                               stochastic, seed, step, rng_offset);
+  }
+  const Scaling scaling{scale.data_ptr<float>(), average ? average->data_ptr<float>() : nullptr,
+                        (float)beta, (float)(1.0 - beta)};
+  quantize_cpu(x, residual, packed, bits, block_size, stochastic, seed, step, rng_offset,
+               &scaling);
 }
 
 void dequantize_sum_into_cpu(const at::Tensor& payloads, const at::Tensor& result, int64_t bits,
@@ -724,6 +773,7 @@ void dequantize_sum_requantize_into_cpu(const at::Tensor& payloads,
 
 void register_quantize(torch::Library& m) {
   m.impl("quantize_into", &quantize_into_cpu);
+  m.impl("scale_quantize_into", &scale_quantize_into_cpu);
   m.impl("dequantize_sum_into", &dequantize_sum_into_cpu);
   m.impl("dequantize_sum_requantize_into", &dequantize_sum_requantize_into_cpu);
 }
