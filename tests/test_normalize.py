@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import ddpcomm
 from ddpcomm import agreement, compressors, fsdp, normalize, ops, reference, traced, wrappers
+from tests.cuda_utils import needs_cuda
 from tests.ddp_utils import FROM_START
 from tests.dist_utils import run_ranks
 
@@ -192,6 +193,30 @@ def test_scaled_quantize_matches_reference(threads):
                         assert g_t is None or torch.equal(g_t, w_t), (n, dtype, bits)
     finally:
         torch.set_num_threads(before)
+
+
+@needs_cuda
+def test_scaled_quantize_cuda_gives_the_cpu_bits():
+    # On CUDA the division and the average are torch's ops before the quantize kernel: the
+    # payload, residual and average are still the CPU kernel's, bit for bit.
+    g = torch.Generator().manual_seed(5)
+    n = (1 << 17) + 5
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = (torch.randn(n, generator=g) * 30).to(dtype)
+        average, scale = torch.rand(n, generator=g), torch.rand(n, generator=g) + 0.01
+        residual = torch.randn(n, generator=g) * 0.1
+        for bits in (1, 2):
+            cpu = [average.clone(), residual.clone()]
+            gpu = [average.cuda(), residual.cuda()]
+            want = ops.quantize(
+                x, cpu[1], bits, 256, scale=scale, average=cpu[0], beta=normalize.BETA
+            )
+            got = ops.quantize(
+                x.cuda(), gpu[1], bits, 256, scale=scale.cuda(), average=gpu[0], beta=normalize.BETA
+            )
+            assert torch.equal(got.cpu(), want), (dtype, bits)
+            for c, d in zip(cpu, gpu, strict=True):
+                assert torch.equal(d.cpu(), c), (dtype, bits)
 
 
 def test_scaled_quantize_bad_inputs_name_the_argument():
