@@ -623,6 +623,17 @@ def test_all_reduce_coalesced_cuda_gives_the_cpu_bits(groups, device):
         assert bad == [], f"rank {rank}: CUDA differs from CPU for {bad}"
 
 
+def test_divisor_travels_as_a_device_tensor_off_the_cpu():
+    # torch's CUDA division by a Python number multiplies by its reciprocal (on an H100,
+    # a third of a million random quotients by 3 differed from the CPU's in the last bit);
+    # by a 0-dim tensor on the device it divides, as the CPU and the kernels do.
+    assert ops.divisor(3, torch.ones(2)) == 3
+    like = torch.ones(2, device="meta", dtype=torch.float16)
+    d = ops.divisor(3, like)
+    assert (d.device.type, d.dtype, d.dim()) == ("meta", torch.float32, 0)
+    assert (like / d).dtype == torch.float16
+
+
 def test_wire_bytes_and_dense_switch_rule():
     n = 1 << 20
     topk, randk = compressors.parse("topk:0.01"), compressors.parse("randk:0.01")
