@@ -625,7 +625,7 @@ def test_all_reduce_coalesced_cuda_gives_the_cpu_bits(groups, device):
 
 def test_divisor_travels_as_a_device_tensor_off_the_cpu():
     # torch's CUDA division by a Python number multiplies by its reciprocal (on an H100,
-    # a third of a million random quotients by 3 differed from the CPU's in the last bit);
+    # 33% of 1M random quotients by 3 differed from the CPU's in the last bit);
     # by a 0-dim tensor on the device it divides, as the CPU and the kernels do.
     assert ops.divisor(3, torch.ones(2)) == 3
     like = torch.ones(2, device="meta", dtype=torch.float16)
