@@ -29,6 +29,7 @@ import ddpcomm.fsdp
 from ddpcomm import reference
 from ddpcomm.fsdp import FSDPCompressionState, ReduceScatter
 from ddpcomm.reduce_scatter import reduce_scatter_single
+from tests.cuda_utils import needs_cuda
 from tests.dist_utils import run_checks, run_ranks
 
 BLOCK = 64
@@ -390,6 +391,40 @@ CHECKS += (check_resume, check_misuse)
 
 def check_all(rank, world):
     return run_checks(rank, world, CHECKS)
+
+
+def check_cuda_matches_cpu(rank, world, backend, device="cuda"):
+    """The compressed reduce-scatter of CUDA tensors gives the CPU run's bits, step after
+    step (error feedback): gloo with CUDA tensors carries the methods that exchange their
+    payloads with all_to_all (random-k and the casts reduce-scatter, which gloo does not
+    do for CUDA tensors), 1-rank NCCL every method."""
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    group = dist.new_group(backend="nccl") if backend == "nccl" else dist.group.WORLD
+    specs = ["q8", "q4", "q2", "q1", "topk:0.25", "topk:0.75"]
+    specs += ["randk:0.5", "fp16"] if backend == "nccl" else []
+    bad, n = [], 5 * BLOCK + 13
+    for spec in specs:
+        options = {"block_size": BLOCK} if spec.startswith("q") else {}
+        cpu, gpu = ReduceScatter(spec, **options), ReduceScatter(spec, **options)
+        for step in range(2):
+            x = rank_input(rank, world * n, step)
+            want = torch.empty(n)
+            cpu(want, x.clone(), dist.group.WORLD, R.AVG)
+            got = torch.empty(n, device=device)
+            gpu(got, x.to(device), group, R.AVG)
+            if not torch.equal(got.cpu(), want):
+                bad.append(f"{spec} step {step}")
+    if backend == "nccl":
+        dist.destroy_process_group(group)
+    return bad
+
+
+@needs_cuda
+@pytest.mark.parametrize("world, backend", [(2, "gloo"), (3, "gloo"), (1, "nccl")])
+def test_reduce_scatter_cuda_gives_the_cpu_bits(world, backend):
+    for rank, bad in enumerate(run_ranks(check_cuda_matches_cpu, world, backend)):
+        assert bad == [], f"rank {rank}: CUDA differs from CPU for {bad}"
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4])
