@@ -395,14 +395,14 @@ def check_all(rank, world):
 
 def check_cuda_matches_cpu(rank, world, backend, device="cuda"):
     """The compressed reduce-scatter of CUDA tensors gives the CPU run's bits, step after
-    step (error feedback): gloo with CUDA tensors carries the methods that exchange their
-    payloads with all_to_all (random-k and the casts reduce-scatter, which gloo does not
-    do for CUDA tensors), 1-rank NCCL every method."""
+    step (error feedback). Random-k and the casts sum in torch's reduce-scatter, whose
+    order of three or more terms may differ between gloo's CPU and CUDA paths: at 3 ranks
+    only the methods that sum in ddpcomm's own kernels run."""
     if device == "cuda":
         torch.cuda.set_device(0)
     group = dist.new_group(backend="nccl") if backend == "nccl" else dist.group.WORLD
     specs = ["q8", "q4", "q2", "q1", "topk:0.25", "topk:0.75"]
-    specs += ["randk:0.5", "fp16"] if backend == "nccl" else []
+    specs += ["randk:0.5", "fp16"] if world <= 2 else []
     bad, n = [], 5 * BLOCK + 13
     for spec in specs:
         options = {"block_size": BLOCK} if spec.startswith("q") else {}
