@@ -302,7 +302,7 @@ inline void check_scale_quantize(const at::Tensor& x, const std::optional<at::Te
   const char* op = "quantize";
   check_quantize(x, residual, out, bits, block_size);
   TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous when a scale is given");
-  TORCH_CHECK(beta >= 0.0 && beta < 1.0, op, ": beta must be in [0, 1), got ", beta);
+  TORCH_CHECK(beta >= 0.0 && beta < 1.0, op, ": beta must be a float in [0, 1), got ", beta);
   check_float32_like(scale, "scale", x, "x", op);
   check_apart(residual, "residual", scale, "scale", op);
   check_apart(out, "out", scale, "scale", op);

@@ -309,7 +309,9 @@ def quantize(
         _check_bits_block(bits, block_size, "quantize")
         out = x.new_empty(payload_bytes(x.numel(), bits, block_size), dtype=torch.uint8)
     if scale is None:
-        _check(average is None, "quantize: average is given without a scale")
+        _check(
+            average is None and beta == 0.0, "quantize: average and beta are for a scale: give one"
+        )
         _ops.quantize_into(x, residual, out, bits, block_size, stochastic, seed, step, rng_offset)
         return out
     _check_scale_quantize(x, average, scale, beta, residual, out, bits, block_size)
@@ -439,7 +441,8 @@ def _check_scale_quantize(x, average, scale, beta, residual, out, bits, block_si
     _check_quantize(x, residual, out, bits, block_size)
     _check(x.is_contiguous(), f"{op}: x must be contiguous when a scale is given")
     _check(
-        isinstance(beta, float) and 0.0 <= beta < 1.0, f"{op}: beta must be in [0, 1), got {beta}"
+        isinstance(beta, float) and 0.0 <= beta < 1.0,
+        f"{op}: beta must be a float in [0, 1), got {beta!r}",
     )
     _check_float32_like(scale, "scale", x, "x", op)
     _check_apart(residual, "residual", scale, "scale", op)

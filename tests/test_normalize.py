@@ -225,7 +225,7 @@ def test_scaled_quantize_bad_inputs_name_the_argument():
         ((x, None, s.double(), 0.9), "scale must be a contiguous float32"),
         ((x, torch.rand(7), s, 0.9), "average must be a contiguous float32"),
         ((x, None, torch.rand(16)[::2], 0.9), "scale must be a contiguous float32"),
-        ((x, None, s, 1.0), "beta must be in [0, 1)"),
+        ((x, None, s, 1.0), "beta must be a float in [0, 1)"),
         ((x, None, x, 0.9), "scale and x share memory"),
         ((x, s, s, 0.9), "average and scale share memory"),
         ((torch.randn(16)[::2], None, s, 0.9), "x must be contiguous when a scale is given"),
@@ -237,8 +237,11 @@ def test_scaled_quantize_bad_inputs_name_the_argument():
             ops.quantize(xx, None, 8, 32, out=out, scale=scale, average=average, beta=beta)
         with pytest.raises((ValueError, RuntimeError), match=pattern):  # the native checks
             torch.ops.ddpcomm.scale_quantize_into(xx, average, scale, beta, None, out, 8, 32)
-    with pytest.raises(RuntimeError, match="quantize: average is given without a scale"):
-        ops.quantize(x, None, 8, 32, average=s)
+    for unscaled in ({"average": s}, {"beta": 0.9}):
+        with pytest.raises(RuntimeError, match="quantize: average and beta are for a scale"):
+            ops.quantize(x, None, 8, 32, **unscaled)
+    with pytest.raises(RuntimeError, match=r"quantize: beta must be a float in \[0, 1\), got 1"):
+        ops.quantize(x, None, 8, 32, out=out, scale=s, beta=1)
     op = torch.ops.ddpcomm.scale_quantize_into.default
     torch.library.opcheck(op, (x, s.clone(), s, 0.9, torch.zeros(8), out.clone(), 1, 32))
     torch.library.opcheck(op, (x.half(), None, s, 0.9, None, out.clone(), 2, 32))
