@@ -315,13 +315,12 @@ inline void check_scale_quantize(const at::Tensor& x, const std::optional<at::Te
 }
 
 // scale_quantize_into as torch ops (reference.scale_down's arithmetic), then quantize_into:
-// for every device and dtype without a native pass.
+// for every device and dtype without a native pass. The caller has checked the arguments.
 inline void scale_quantize_aten(const at::Tensor& x, const std::optional<at::Tensor>& average,
                                 const at::Tensor& scale, double beta,
                                 const std::optional<at::Tensor>& residual, const at::Tensor& out,
                                 int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
                                 int64_t step, int64_t rng_offset) {
-  check_scale_quantize(x, average, scale, beta, residual, out, bits, block_size);
   if (average) average->mul_(beta).addcmul_(x, x, 1.0 - beta);
   const at::Tensor y = at::div(x, scale).to(x.scalar_type());
   static const auto quantize = c10::Dispatcher::singleton()

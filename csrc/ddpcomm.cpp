@@ -73,7 +73,15 @@ TORCH_LIBRARY(ddpcomm, m) {
 // scale_quantize_into where no device has its own kernel (CUDA: the division is one more
 // memory-bound pass there, next to the quantize kernel's).
 TORCH_LIBRARY_IMPL(ddpcomm, CompositeExplicitAutograd, m) {
-  m.impl("scale_quantize_into", &ddpcomm::scale_quantize_aten);
+  m.impl("scale_quantize_into",
+         [](const at::Tensor& x, const std::optional<at::Tensor>& average, const at::Tensor& scale,
+            double beta, const std::optional<at::Tensor>& residual, const at::Tensor& out,
+            int64_t bits, int64_t block_size, bool stochastic, int64_t seed, int64_t step,
+            int64_t rng_offset) {
+           ddpcomm::check_scale_quantize(x, average, scale, beta, residual, out, bits, block_size);
+           ddpcomm::scale_quantize_aten(x, average, scale, beta, residual, out, bits, block_size,
+                                        stochastic, seed, step, rng_offset);
+         });
 }
 
 namespace {

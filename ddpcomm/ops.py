@@ -420,7 +420,8 @@ def dequantize_sum_requantize(
     return out
 
 
-def _check_quantize(x, residual, out, bits, block_size, op="quantize"):
+def _check_quantize(x, residual, out, bits, block_size):
+    op = "quantize"
     _check_bits_block(bits, block_size, op)
     _check_float_tensor(x, "x", op)
     _check_residual(residual, x.numel(), x.device, op)
