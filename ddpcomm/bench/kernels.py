@@ -46,14 +46,12 @@ OPS = {  # name: (what is timed, the argument it takes, an example)
         "1000",
     ),
 }
-DEFAULT_OPS = [
-    f"{op}:q{b}"
-    for b in (8, 4, 1)
-    for op in ("quantize", "quantize_ef", "dequantize_sum", "requantize")
-]
+QUANTIZER_OPS = ("quantize", "quantize_ef", "dequantize_sum", "requantize")
+DEFAULT_OPS = [f"{op}:q{b}" for b in (8, 4, 1) for op in QUANTIZER_OPS]
 DEFAULT_OPS.append("hook_path:q8")
-ALL_OPS = DEFAULT_OPS + [f"{op}:{ex}" for op, (_, _, ex) in OPS.items() if ex != "q8"]
-ALL_OPS.insert(0, "quantize_stochastic:q8")
+# 'all' adds q2 (the quantizer ops at every width), stochastic rounding and the other families.
+ALL_OPS = ["quantize_stochastic:q8", *DEFAULT_OPS, *[f"{op}:q2" for op in QUANTIZER_OPS]]
+ALL_OPS += [f"{op}:{ex}" for op, (_, _, ex) in OPS.items() if ex != "q8"]
 
 DESCRIPTION = """\
 Times ddpcomm's native ops and reports the GB/s of bytes each reads and writes, next to
