@@ -206,6 +206,8 @@ bench-steady: all
 	$(STUDY) adam_exact benchmarks/results/steady_state/adam_exact.json bench-out/steady/exact-?.json
 	set -e; for s in 0 1 2 3; do $(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed $$s --methods ddp,$(Q2_N0),$(Q2_N64) --out bench-out/steady/q2-$$s.json; done
 	$(STUDY) steady_q2 benchmarks/results/steady_state/q2_1200.json bench-out/steady/q2-?.json
+	set -e; for s in 0 1 2 3; do $(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed $$s --methods ddp,topk:0.01,topk:0.0133,value_dtype=bfloat16 --out bench-out/steady/topk-$$s.json; done
+	$(STUDY) steady_topk benchmarks/results/steady_state/topk_bf16_1200.json bench-out/steady/topk-?.json
 	set -e; i=0; for p in $(EXACT_PARAMS); do i=$$((i + 1)); $(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed 0 --exact-params "$$p" --methods ddp,$(Q1_N64) --out bench-out/steady/params-$$i.json; done
 	$(STUDY) exact_params benchmarks/results/steady_state/exact_params.json bench-out/steady/params-?.json
 	$(PY) benchmarks/plots.py
