@@ -4,7 +4,9 @@ Each of R ranks holds blocks of B elements in the units ``normalize`` produces: 
 gradient is mu_i + noise, the noise of unit variance and independent across ranks and
 steps, mu_i ~ N(0, snr^2) fixed (a small signal under much noise, as in minibatch
 gradients). Each rank codes x + e with ddpcomm's block codes and keeps e (error feedback);
-the reduced gradient is the mean of the ranks' codes. Printed per code: its distortion on
+the reduced gradient is the mean of the ranks' codes. ``8/16`` is a fixed-rate code between q1
+and q2 (1.375 bits per element: in each group of 16, which 8 are largest and their signs),
+tried end to end and not kept (benchmarks/RESULTS.md). Printed per code: its distortion on
 one Gaussian block (the squared error over the squared input), the reduced gradient's
 error against the exact mean (what ``bench train --probe-every`` measures), and the error
 of a first moment (beta 0.9, AdamW's) built from it against one built from the exact
@@ -27,6 +29,14 @@ def q1(y):  # sign x the block's mean |y|
 def q2(y):  # three levels of the block magnitude, clipped at 1.5 mean |y|
     m = torch.minimum(y.abs().amax(-1, keepdim=True), 1.5 * y.abs().mean(-1, keepdim=True))
     return torch.round(y / m).clamp(-1, 1) * m
+
+
+def half16(y):  # in each 16, the 8 largest |y| as sign x their block mean; 14 + 8 bits per 16
+    g = y.unflatten(-1, (-1, 16))
+    keep = torch.zeros_like(g, dtype=torch.bool).scatter_(-1, g.abs().topk(8, -1).indices, True)
+    keep = keep.flatten(-2)
+    m = (y.abs() * keep).sum(-1, keepdim=True) / keep.sum(-1, keepdim=True)
+    return torch.where(keep, torch.sign(y) * m, torch.zeros_like(y))
 
 
 def q4(y):  # 15 levels of the block's absmax
@@ -63,7 +73,7 @@ def main() -> None:
     args = p.parse_args()
     block = torch.randn(1 << 20, generator=torch.Generator().manual_seed(1)).view(-1, 256)
     print("code  distortion  snr   reduced-gradient error  first-moment error")
-    for name, code in (("q1", q1), ("q2", q2), ("q4", q4)):
+    for name, code in (("q1", q1), ("q2", q2), ("8/16", half16), ("q4", q4)):
         d = float((block - code(block)).square().sum() / block.square().sum())
         for snr in (float(s) for s in args.snr.split(",")):
             grad, moment = simulate(code, snr, args.steps)
