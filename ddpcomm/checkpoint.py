@@ -33,14 +33,16 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from ddpcomm import groups
+from ddpcomm import groups, normalize
 from ddpcomm.adaptive import COMPRESSED, PLAIN
 from ddpcomm.ops import numpy_bool
 
-VERSION = 2
+VERSION = 3
 # Versions this code reads. A state_dict without "version" predates versions (and the
-# rank and world size fields): it is read as it was written.
-_VERSIONS = (VERSION,)
+# rank and world size fields): it is read as it was written. Up to version 2 normalize's
+# "scale" held the RMS the ranks shared, before its floor: loaded, it becomes the scale
+# itself (normalize.effective_scale), which version 3 holds.
+_VERSIONS = (VERSION, 2)
 _KEYS = ("config", "iteration", "start_iter", "min_numel", "memory", "layout")
 _INT64_MAX = 2**63 - 1  # iteration and friends become an op's int64 step argument
 # Residual kinds, as collectives.py asks for them (ctx.residual): one element per element
@@ -236,8 +238,9 @@ def _check_memory(memory, name: str, sd: dict, compressor) -> dict:
     ):
         raise ValueError(f"{name} must be a dict with 'buffers' and 'signatures'")
     buffers, signatures = memory["buffers"], memory["signatures"]
+    scaled = sd.get("version") == VERSION  # "scale" holds the scale itself
     for key, buf in buffers.items():
-        _check_residual(key, buf, f"{name}['buffers']")
+        _check_residual(key, buf, f"{name}['buffers']", scaled)
     if set(buffers) != set(signatures):
         raise ValueError(
             f"{name}['signatures'] must have one entry per residual in {name}['buffers']: "
@@ -266,12 +269,15 @@ def _check_memory(memory, name: str, sd: dict, compressor) -> dict:
                 f"got {buf.numel()}"
             )
         k = (key[0], operator.index(key[1]))
+        if k[0] == "scale" and not scaled:
+            buf = normalize.effective_scale(buf)
         out["buffers"][k], out["signatures"][k] = buf, shapes
     return out
 
 
-def _check_residual(key, buf, name: str) -> None:
-    """One residual's key and tensor: (kind, bucket key), 1-D finite float32 with values."""
+def _check_residual(key, buf, name: str, scaled: bool) -> None:
+    """One residual's key and tensor: (kind, bucket key), 1-D finite float32 with values
+    (``scaled``: a "scale" is the scale itself, else the RMS it comes from)."""
     if not (
         isinstance(key, tuple)
         and len(key) == 2
@@ -303,6 +309,8 @@ def _check_residual(key, buf, name: str) -> None:
             f"{where} must be finite, got {bad} NaN or infinite elements of {buf.numel()}: "
             "a residual is reset after a non-finite step, never saved that way"
         )
+    if key[0] == "scale" and scaled and not bool((buf > 0).all()):
+        raise ValueError(f"{where} must be > 0 (the scale elements are divided by)")
 
 
 def _owner_numel(numel: int, sd: dict, compressor) -> int | None:

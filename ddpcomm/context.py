@@ -248,6 +248,9 @@ class ResidualMemory:
     # Kinds that cover a part of the bucket -> the whole-bucket kind their elements fold
     # into on a layout change (see the class docstring).
     PARTS = {"q_owner": "q"}
+    # What a kind's elements start as, where not 0: normalize's scale is 1 (gradient
+    # units) wherever none was shared yet, in a new bucket or a parameter new to one.
+    FILL = {"scale": 1.0}
 
     __slots__ = ("buffers", "signatures", "placed", "_loose", "_used")
 
@@ -260,11 +263,14 @@ class ResidualMemory:
         self._loose: dict[str, dict[int, torch.Tensor]] = {}
         self._used: set = set()  # keys placed in this iteration
 
+    def _fresh(self, kind: str, numel: int, device) -> torch.Tensor:
+        return torch.full((numel,), self.FILL.get(kind, 0.0), dtype=torch.float32, device=device)
+
     def get(self, kind: str, key, numel: int, device, signature=None) -> torch.Tensor:
         k = (kind, key)
         buf = self.buffers.get(k)
         if buf is None or buf.numel() != numel or self.signatures.get(k) != signature:
-            buf = torch.zeros(numel, dtype=torch.float32, device=device)
+            buf = self._fresh(kind, numel, device)
             self.buffers[k] = buf
             self.signatures[k] = signature
         elif buf.device != torch.device(device):
@@ -276,9 +282,9 @@ class ResidualMemory:
     def place(self, key, ords: tuple, signature: tuple, device, chunk_start=None) -> None:
         """Lays ``key``'s residuals out over the parameters ``ords`` (shapes ``signature``),
         before its bucket is reduced: each parameter's residual comes from the key that held
-        it, zeros where none did. ``chunk_start(numel)``: where this rank's two-phase chunk of
-        a bucket of ``numel`` elements starts (None: no owner residual to fold). Cheap when
-        the key's parameters did not change: one tuple comparison."""
+        it, zeros (``FILL``) where none did. ``chunk_start(numel)``: where this rank's
+        two-phase chunk of a bucket of ``numel`` elements starts (None: no owner residual to
+        fold). Cheap when the key's parameters did not change: one tuple comparison."""
         self._used.add(key)
         if self.placed.get(key) == ords:
             return
@@ -302,7 +308,7 @@ class ResidualMemory:
             for o, n in zip(ords, sizes, strict=True):
                 piece = loose.pop(o, None)
                 if piece is None or piece.numel() != n:
-                    piece = torch.zeros(n, dtype=torch.float32, device=device)
+                    piece = self._fresh(kind, n, device)
                 parts.append(piece.to(device))
             self.buffers[(kind, key)] = torch.cat(parts)
             self.signatures[(kind, key)] = signature
@@ -345,6 +351,10 @@ class ResidualMemory:
             self.signatures.pop(k, None)
         self._loose.clear()
         self._used.clear()
+
+    def nbytes(self) -> int:
+        """Bytes of the per-element state held (what ``state_dict`` saves)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
     def state_dict(self) -> dict:
         return {
@@ -481,6 +491,10 @@ class Workspace:
         # that may overlap one of the same key (async ddpcomm.all_reduce), which must never
         # write a segment a peer may still read (node_memory.Segment).
         self.keep_segments = True
+
+    def nbytes(self) -> int:
+        """Bytes of the buffers (and shared-memory segments) held for the next calls."""
+        return _nbytes(self.buffers)
 
     def link(self, key) -> LinkRate:
         """The bucket's LinkRate (its gloo all-gathers' measured and agreed rate)."""

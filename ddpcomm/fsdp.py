@@ -206,10 +206,12 @@ class FSDPCompressionState:
     def stats(self) -> dict:
         """``ddpcomm.CompressionState.stats()``'s keys: bytes handed to collectives
         against FSDP's plain reduce-scatter (and, for HSDP, plain all-reduce), time spent
-        (de)compressing, calls per path, and ``iteration``: reductions of the most-reduced
-        parameter group so far."""
+        (de)compressing, calls per path, ``iteration``: reductions of the most-reduced
+        parameter group so far, and the residuals' and scratch buffers' bytes."""
         d = self._stats.as_dict()
         d["iteration"] = max(self.steps.values(), default=0)
+        d["state_bytes"] = self.memory.nbytes()
+        d["buffer_bytes"] = self._rs_workspace.nbytes() + self._ar_workspace.nbytes()
         return d
 
     def reset_stats(self) -> None:

@@ -201,11 +201,14 @@ class CompressionState:
 
     def stats(self) -> dict:
         """Bytes handed to collectives, the plain all_reduce equivalent, compression time,
-        how many buckets took each path, and on gloo each bucket's all-gather pieces and
-        the link rate they follow. Under DDP's python_reducer (compiled autograd) the
-        reductions are counted per parameter, by traced.py."""
+        how many buckets took each path, the memory the state holds between steps, and on
+        gloo each bucket's all-gather pieces and the link rate they follow. Under DDP's
+        python_reducer (compiled autograd) the reductions are counted per parameter, by
+        traced.py."""
         d = self._stats.as_dict()
         d["iteration"] = self.iteration
+        d["state_bytes"] = self.memory.nbytes()
+        d["buffer_bytes"] = self.workspace.nbytes()
         traced.add_counts(self, d)
         if self.workspace.links:  # gloo all-gathers: each bucket's pieces and link rate
             d["gloo_pieces"] = {k: link.as_dict() for k, link in self.workspace.links.items()}

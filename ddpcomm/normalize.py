@@ -19,16 +19,15 @@ element every K steps, 0.125 at K = 64; ``stats()`` counts them as path ``"scale
 Error feedback runs in the scaled units; when a refresh changes the scale, the residuals
 are rescaled with it, so the error-feedback invariant keeps holding in gradient units.
 
-Per-element state (the local average and the shared scale) lives in the state's
-``ResidualMemory`` beside the residuals: carried per parameter across DDP's bucket
-rebuild, saved and restored with the state. A non-finite step zeroes the local average
-with the residuals and keeps the last shared scale. Deterministic and identical on every
-rank: the shared scale is the output of a collective every rank decodes alike.
+Per-element state (the local average and the shared scale, float32: with the error-feedback
+residual 12 bytes per element) lives in the state's ``ResidualMemory`` beside the residuals:
+carried per parameter across DDP's bucket rebuild, saved and restored with the state. A
+non-finite step zeroes the local average with the residuals and keeps the last shared scale.
+Deterministic and identical on every rank: the shared scale is the output of a collective
+every rank decodes alike.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
@@ -75,40 +74,22 @@ def scaling(flat: torch.Tensor, c: Quantizer, ctx: ReduceContext, done: int) -> 
     """The bucket's Scaling for this compressed step (``done``: compressed steps before
     it), refreshing the shared scale first at every K-th: the refresh needs the whole
     local average, so that step adds the gradient to it here, not range by range."""
-    shared = ctx.memory.get(ctx.part + "scale", ctx.key, flat.numel(), flat.device, ctx.signature)
+    # 1 (gradient units) where no scale was shared yet: ResidualMemory.FILL.
+    scale = ctx.memory.get(ctx.part + "scale", ctx.key, flat.numel(), flat.device, ctx.signature)
     refresh = done % c.normalize == 0
     if refresh:
         local = observe(flat, ctx)
-        _refresh(shared, local, c, ctx)
+        _refresh(scale, local, c, ctx)
     else:
         local = ctx.residual("rms_local", flat.numel(), flat.device)
-    scale = _cached(shared)
-    if scale is None:  # loaded, or carried to a new bucket: worked out once
-        scale = _cache(shared, effective_scale(shared))
     return Scaling(local, scale, observing=not refresh)
 
 
-# shared scale's id -> (a weak reference to it, its effective_scale): worked out at each
-# refresh, not at every step (three passes over the bucket and an allocation).
-_EFFECTIVE: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
-
-
-def _cached(shared: torch.Tensor) -> torch.Tensor | None:
-    hit = _EFFECTIVE.get(id(shared))
-    return hit[1] if hit is not None and hit[0]() is shared else None
-
-
-def _cache(shared: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    key = id(shared)
-    _EFFECTIVE[key] = (weakref.ref(shared, lambda _: _EFFECTIVE.pop(key, None)), scale)
-    return scale
-
-
 def effective_scale(shared: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The scale an element is divided by: its shared RMS, at least ``RELATIVE_FLOOR``
-    of the bucket's mean (elements that had no gradient yet); 1 where the whole bucket has
-    none yet (gradient units: the first step, or after a non-finite step). In ``out``
-    when given."""
+    """The scale an element is divided by, from the RMS the ranks shared: at least
+    ``RELATIVE_FLOOR`` of the bucket's mean (elements that had no gradient yet); 1 where the
+    whole bucket has none (gradient units: after a non-finite step). In ``out`` when given
+    (``shared`` itself works)."""
     floor = RELATIVE_FLOOR * shared.mean()
     scale = torch.clamp_min(shared, floor, out=out)
     # With a positive floor every element is positive already: on the CPU, skip the pass.
@@ -117,36 +98,30 @@ def effective_scale(shared: torch.Tensor, out: torch.Tensor | None = None) -> to
     return scale
 
 
-def _refresh(shared: torch.Tensor, local: torch.Tensor, c: Quantizer, ctx: ReduceContext) -> None:
-    """The shared scale from every rank's local average: 2 ^ mean of log2 RMS. The
-    residuals, in units of the old scale, are rescaled to the new one. The effective scale
-    keeps its tensor, and the one bucket-sized temporary is a workspace buffer on the CPU,
-    where a fresh 64 MiB allocation costs some 16K page faults (a refresh at 1 thread took
-    257 ms with its allocations, 115 without), and the caching allocator's on a GPU, whose
-    memory a workspace buffer would hold between refreshes."""
+def _refresh(scale: torch.Tensor, local: torch.Tensor, c: Quantizer, ctx: ReduceContext) -> None:
+    """The scale from every rank's local average: 2 ^ mean of log2 RMS, floored
+    (``effective_scale``). The residuals, in units of the old scale, are rescaled to the
+    new one. The state keeps the scale alone, not the RMS before its floor: 4 bytes per
+    element, and a bucket rebuilt around other parameters keeps each element's units. The
+    one bucket-sized temporary is a workspace buffer on the CPU, where a fresh 64 MiB
+    allocation costs some 16K page faults (a refresh at 1 thread took 257 ms with its
+    allocations, 115 without); on a GPU it and the 8-bit code's payloads come from the
+    caching allocator, whose memory workspace buffers would hold between refreshes (3
+    bytes per element at 2 ranks)."""
     n, device = local.numel(), local.device
     sub = ReduceContext(
         ctx.pg, ctx.memory, ctx.key, ctx.step, ctx.signature, ctx.stats.overhead("scale"),
-        ctx.workspace, part=PART,
+        None if local.is_cuda else ctx.workspace, part=PART,
     )  # fmt: skip
-    if local.is_cuda:
-        tmp = torch.empty_like(local)
-    else:
-        tmp = sub.buffer("tmp", 4 * n, device).view(torch.float32)
+    tmp = sub.buffer("tmp", 4 * n, device).view(torch.float32)
     logs = torch.sqrt(local, out=tmp).clamp_min_(2.0**LOG2_FLOOR).log2_()
     code = Quantizer(SCALE_BITS, error_feedback=False, algorithm=c.algorithm)
     new = collectives.all_reduce_mean(logs, code, sub).wait().exp2_()
     # A non-finite step's RMS (its outputs are non-finite, its residuals reset): no scale
     # for those elements until the next refresh, rather than NaN for K steps.
-    new.nan_to_num_(0.0, 0.0, 0.0)
-    scale = _cached(shared)
-    if scale is None:  # loaded, or carried to a new bucket
-        scale = effective_scale(shared)
-    shared.copy_(new)
-    fresh = effective_scale(shared, out=tmp)
-    _rescale_residuals(scale.div_(fresh), c, ctx)  # old / new, in the old scale's tensor
+    fresh = effective_scale(new.nan_to_num_(0.0, 0.0, 0.0), out=new)
+    _rescale_residuals(scale.div_(fresh), c, ctx)  # old / new, in the scale's own tensor
     scale.copy_(fresh)
-    _cache(shared, scale)
 
 
 def _rescale_residuals(ratio: torch.Tensor, c: Quantizer, ctx) -> None:

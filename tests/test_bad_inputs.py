@@ -219,7 +219,7 @@ ROWS = [
     # field, the allowed values and the value found
     ("state_dict", "version 99", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
      .load_state_dict({**_GOOD_SD, "version": 99}), ValueError,
-     r"state_dict\['version'\] must be one of \[2\] .*got 99"),
+     r"state_dict\['version'\] must be one of \[3, 2\] .*got 99"),
     ("state_dict", "version True", lambda: ddpcomm.QuantizeState(4, error_feedback=True)
      .load_state_dict({**_GOOD_SD, "version": True}), ValueError, r"\['version'\].*got True"),
     ("state_dict", "iteration 2**80", lambda: ddpcomm.QuantizeState(4, error_feedback=True)

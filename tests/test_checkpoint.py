@@ -100,6 +100,23 @@ def test_rank0_only_checkpoints(tmp_path):
         assert "saved by 3 ranks and this run has 2" in msg and "reset_residuals" in msg
 
 
+def test_a_version_2_scale_loads_floored():
+    """Up to version 2 a state_dict held the RMS the ranks shared, before its floor; the
+    state now keeps the scale itself: loaded, the one becomes the other."""
+    state = ddpcomm.QuantizeState(1, normalize=4)
+    rms = torch.tensor([0.0, 1.0, 2.0, 3.0, 0.0, 6.0])
+    sig = {("scale", 0): ((2, 3),), ("q", 0): ((2, 3),)}
+    memory = {"buffers": {("scale", 0): rms, ("q", 0): torch.ones(6)}, "signatures": sig}
+    sd = {**state.state_dict(), "version": 2, "memory": memory}
+    state.load_state_dict(sd)
+    floored = torch.tensor([0.002, 1.0, 2.0, 3.0, 0.002, 6.0])  # 1e-3 of the mean
+    assert torch.allclose(state.memory.buffers["scale", 0], floored)
+    assert torch.equal(state.memory.buffers["scale", 0], normalize.effective_scale(rms))
+    assert torch.equal(rms, torch.tensor([0.0, 1.0, 2.0, 3.0, 0.0, 6.0]))  # not in place
+    state.load_state_dict({**sd, "version": 3, "memory": state.memory.state_dict()})
+    assert torch.equal(state.memory.buffers["scale", 0], normalize.effective_scale(rms))
+
+
 def test_malformed_state_dicts_are_refused_before_loading():
     state = ddpcomm.QuantizeState(4, error_feedback=True)
     good = state.state_dict()
@@ -128,9 +145,11 @@ def test_malformed_state_dicts_are_refused_before_loading():
         "buffers": {("scale", 0): -torch.ones(6)},
         "signatures": {("scale", 0): ((2, 3),)},
     }
+    zero = {"buffers": {("scale", 0): torch.zeros(6)}, "signatures": negative["signatures"]}
     cases += [
         ({**later, "memory": negative}, ValueError, r"\('scale', 0\)\] must be >= 0"),
-        ({**later, "version": 99}, ValueError, r"\['version'\] must be one of \[2\]"),
+        ({**later, "memory": zero}, ValueError, r"\('scale', 0\)\] must be > 0"),
+        ({**later, "version": 99}, ValueError, r"\['version'\] must be one of \[3, 2\]"),
         ({**later, "memory": nan}, ValueError, "must be finite"),
         ({**later, "layout": {"shapes": [(2, 3)], "layouts": {0: (1,)}}}, ValueError, r"\[0, 1\)"),
         ({**later, "start_iter": 2**63}, ValueError, "int64"),
@@ -295,7 +314,7 @@ def _residual_per_parameter(state, model, world, rank) -> list[torch.Tensor]:
         else:
             flat += buf.double()
         if ("scale", key) in buffers:  # normalize: residuals are in units of the scale
-            flat *= normalize.effective_scale(buffers[("scale", key)]).double()
+            flat *= buffers[("scale", key)].double()
         at = 0
         for o in ords:
             size = params[param_of[o]].numel()

@@ -800,6 +800,8 @@ def test_stats_of_a_flat_state_keep_their_keys():
         "compress_seconds",
         "paths",
         "iteration",
+        "state_bytes",
+        "buffer_bytes",
     }
 
 

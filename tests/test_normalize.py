@@ -2,11 +2,12 @@
 K compressed steps. Checked: the spec and where it is refused; that an element far
 smaller than its block's others keeps a relative error of its own size; identical
 results and counted refresh bytes at 2 and 3 ranks; a non-finite step; the native step
-(ops.quantize with a scale) against its reference. Carrying the scales across layout changes and
-resumes is in test_checkpoint.py."""
+(ops.quantize with a scale) against its reference; the state it keeps. Carrying the scales
+across layout changes and resumes is in test_checkpoint.py."""
 
 from __future__ import annotations
 
+import gc
 import re
 
 import pytest
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 import ddpcomm
 from ddpcomm import agreement, compressors, fsdp, normalize, ops, reference, traced, wrappers
+from ddpcomm.context import ResidualMemory
 from tests.cuda_utils import needs_cuda
 from tests.ddp_utils import FROM_START
 from tests.dist_utils import run_ranks
@@ -159,6 +161,43 @@ def test_effective_scale_floors():
     assert torch.equal(normalize.effective_scale(torch.zeros(3)), torch.ones(3))
     s = normalize.effective_scale(torch.tensor([0.0, 1.0, 2.0]))
     assert torch.allclose(s, torch.tensor([normalize.RELATIVE_FLOOR, 1.0, 2.0]))
+
+
+def _held_body(rank, world):
+    """Per-element float32 tensors alive after 5 normalized q1 steps of an odd-sized bucket,
+    against the three the state keeps: its residual, local average and scale."""
+    n = 12345
+    state = ddpcomm.CompressionState("q1", normalize=2, **FROM_START)
+    for step in range(5):
+        state.iteration = step
+        state.reduce(torch.randn(n), 0, ((n,),)).wait()
+    gc.collect()
+    kept = {b.untyped_storage().data_ptr() for b in state.memory.buffers.values()}
+    others = [
+        o
+        for o in gc.get_objects()
+        if isinstance(o, torch.Tensor) and o.dtype == torch.float32 and o.numel() >= n
+        and o.untyped_storage().data_ptr() not in kept
+    ]  # fmt: skip
+    return sorted(k for k, _ in state.memory.buffers), state.stats()["state_bytes"], len(others)
+
+
+def test_the_state_keeps_twelve_bytes_per_element():
+    for kinds, nbytes, others in run_ranks(_held_body, 2):
+        # The scale is kept once, floored: no second copy beside the RMS it came from.
+        assert kinds == ["q", "rms_local", "scale"] and nbytes == 12 * 12345 and others == 0
+
+
+def test_a_parameter_new_to_a_bucket_starts_in_gradient_units():
+    memory = ResidualMemory()
+    memory.place(0, (0,), ((4,),), "cpu")
+    memory.get("scale", 0, 4, "cpu", ((4,),)).fill_(2.0)
+    memory.get("q", 0, 4, "cpu", ((4,),)).fill_(0.5)
+    # A rebuilt bucket holds parameter 0 and parameter 1, which had no scale yet.
+    memory.place(1, (0, 1), ((4,), (3,)), "cpu")
+    assert memory.buffers[("scale", 1)].tolist() == [2.0] * 4 + [1.0] * 3
+    assert memory.buffers[("q", 1)].tolist() == [0.5] * 4 + [0.0] * 3
+    assert torch.equal(memory.get("scale", 2, 3, "cpu"), torch.ones(3))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
