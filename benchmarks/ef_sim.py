@@ -4,12 +4,13 @@ Each of R ranks holds blocks of B elements in the units ``normalize`` produces: 
 gradient is mu_i + noise, the noise of unit variance and independent across ranks and
 steps, mu_i ~ N(0, snr^2) fixed (a small signal under much noise, as in minibatch
 gradients). Each rank codes x + e with ddpcomm's block codes and keeps e (error feedback);
-the reduced gradient is the mean of the ranks' codes. ``8/16`` is a fixed-rate code between q1
-and q2 (1.375 bits per element: in each group of 16, which 8 are largest and their signs),
-tried end to end and not kept (benchmarks/RESULTS.md). Printed per code: its distortion on
-one Gaussian block (the squared error over the squared input), the reduced gradient's
-error against the exact mean (what ``bench train --probe-every`` measures), and the error
-of a first moment (beta 0.9, AdamW's) built from it against one built from the exact
+the reduced gradient is the mean of the ranks' codes. ``8/16`` (in each group of 16, which
+8 are largest and their signs: 1.375 bits per element) and ``dz`` (a dead zone: where the
+kept elements are, and their signs, 1.45 bits on Gaussian blocks) are ternary codes between
+q1 and q2, tried end to end as prototypes (benchmarks/RESULTS.md). Printed per code: its
+distortion on one Gaussian block (the squared error over the squared input), the reduced
+gradient's error against the exact mean (what ``bench train --probe-every`` measures), and
+the error of a first moment (beta 0.9, AdamW's) built from it against one built from the exact
 mean. Usage: ``python benchmarks/ef_sim.py [--snr 0.05,0.1,0.25] [--steps 2000]``.
 """
 
@@ -36,6 +37,12 @@ def half16(y):  # in each 16, the 8 largest |y| as sign x their block mean; 14 +
     keep = torch.zeros_like(g, dtype=torch.bool).scatter_(-1, g.abs().topk(8, -1).indices, True)
     keep = keep.flatten(-2)
     m = (y.abs() * keep).sum(-1, keepdim=True) / keep.sum(-1, keepdim=True)
+    return torch.where(keep, torch.sign(y) * m, torch.zeros_like(y))
+
+
+def deadzone(y):  # sign x the mean kept |y| where |y| > 0.755 x the block's RMS, else 0
+    keep = y.abs() > 0.755 * y.square().mean(-1, keepdim=True).sqrt()
+    m = (y.abs() * keep).sum(-1, keepdim=True) / keep.sum(-1, keepdim=True).clamp_min(1)
     return torch.where(keep, torch.sign(y) * m, torch.zeros_like(y))
 
 
@@ -73,7 +80,8 @@ def main() -> None:
     args = p.parse_args()
     block = torch.randn(1 << 20, generator=torch.Generator().manual_seed(1)).view(-1, 256)
     print("code  distortion  snr   reduced-gradient error  first-moment error")
-    for name, code in (("q1", q1), ("q2", q2), ("8/16", half16), ("q4", q4)):
+    codes = (("q1", q1), ("q2", q2), ("8/16", half16), ("dz", deadzone), ("q4", q4))
+    for name, code in codes:
         d = float((block - code(block)).square().sum() / block.square().sum())
         for snr in (float(s) for s in args.snr.split(",")):
             grad, moment = simulate(code, snr, args.steps)
