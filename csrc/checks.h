@@ -58,10 +58,15 @@ inline void check_float32_like(const at::Tensor& t, const char* arg, const at::T
 }
 
 inline void check_bits_block(int64_t bits, int64_t block_size, const char* op) {
-  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, op,
-              ": bits must be one of 1, 2, 4, 8, got ", bits);
+  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8 || bits == kSparseBits, op,
+              ": bits must be one of 1, 2, 4, 8 or 3 (the 1.5-bit code), got ", bits);
   TORCH_CHECK(block_size >= 32 && block_size <= 65536 && (block_size & (block_size - 1)) == 0, op,
               ": block_size must be a power of two in [32, 65536], got ", block_size);
+}
+
+inline void check_rounding(int64_t bits, bool stochastic, const char* op) {
+  TORCH_CHECK(!(stochastic && bits == kSparseBits), op,
+              ": stochastic rounding is not defined for the 1.5-bit code (bits=3)");
 }
 
 inline void check_float_tensor(const at::Tensor& t, const char* arg, const char* op) {
@@ -323,11 +328,11 @@ inline void scale_quantize_aten(const at::Tensor& x, const std::optional<at::Ten
                                 int64_t step, int64_t rng_offset) {
   if (average) average->mul_(beta).addcmul_(x, x, 1.0 - beta);
   const at::Tensor y = at::div(x, scale).to(x.scalar_type());
-  static const auto quantize = c10::Dispatcher::singleton()
-                                   .findSchemaOrThrow("ddpcomm::quantize_into", "")
-                                   .typed<void(const at::Tensor&, const std::optional<at::Tensor>&,
-                                               const at::Tensor&, int64_t, int64_t, bool, int64_t,
-                                               int64_t, int64_t)>();
+  static const auto quantize =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("ddpcomm::quantize_into", "")
+          .typed<void(const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                      int64_t, int64_t, bool, int64_t, int64_t, int64_t)>();
   quantize.call(y, residual, out, bits, block_size, stochastic, seed, step, rng_offset);
 }
 

@@ -71,7 +71,13 @@ constexpr int kScaleBytes = 4;
 
 DDPC_HD int64_t num_blocks(int64_t numel, int64_t block) { return (numel + block - 1) / block; }
 
-DDPC_HD int64_t code_bytes_per_block(int64_t block, int bits) { return block * bits / 8; }
+// The ops' bits argument names the 1.5-bit code (q1.5, below) by 3: its records hold 3/16
+// of a byte per element. No 3-bit code exists.
+constexpr int kSparseBits = 3;
+
+DDPC_HD int64_t code_bytes_per_block(int64_t block, int bits) {
+  return bits == kSparseBits ? block * 3 / 16 : block * bits / 8;
+}
 
 DDPC_HD int64_t record_bytes(int64_t block, int bits) {
   return kScaleBytes + code_bytes_per_block(block, bits);
@@ -242,6 +248,54 @@ DDPC_HD float block_tree_sum(float* buf, int64_t block) {
     for (int64_t i = 0; i < w; ++i) buf[i] = buf[i] + buf[i + w];
   }
   return buf[0];
+}
+
+// ---------------------------------------------------------------------------------------
+// q1.5: a ternary code with a dead zone, sent as a bitmap and signs (ops' bits = 3).
+//
+// Record of a block of B values (B >= 32, a power of two), 4 + 3B/16 bytes:
+//   [ float32 m ][ B/8 bitmap bytes ][ B/16 sign bytes ]
+// Bit j of the bitmap (LSB first) is set when element j is kept; the kept elements' signs
+// follow in element order, one bit each (1 = negative) from the first sign byte's LSB, room
+// for B/2 of them, the rest zero. Element j decodes to m * k with k = +-1 if kept, else 0:
+// m, -m, or 0 (NaN everywhere in a block whose m is NaN, as q2's zero codes). Set bits past
+// the B/2-th read as positive: only payloads quantize never makes have them.
+//
+// Kept: |e| > t = kDeadZone * RMS(e) over the block's valid elements (0.675 sigma: half of a
+// Gaussian block); when more than B/2 are, the B/2 of largest |e| instead (ties to the
+// lower index), the cap the record has room for. m is the mean |e| of those kept, 0 if none:
+// the least-squares magnitude for that support. A block holding a non-finite value keeps
+// nothing and gets m = NaN. At 0.675 sigma a GPT's normalized gradients keep 46% (a
+// heavier tail than Gaussian's), so the cap binds in few blocks.
+//
+// Sums of squares and of kept |e| run in the pairwise tree order of block_tree_sum, on
+// values scaled by sparse_pre (a power of two, exact) so that squares neither overflow nor
+// vanish: sqrt, divides and compares are correctly rounded on CPU and GPU alike.
+// ---------------------------------------------------------------------------------------
+
+constexpr float kDeadZone = 0.675f;
+
+DDPC_HD int64_t sparse_cap(int64_t block) { return block / 2; }
+
+// Scale for a block whose largest |e| is absmax (finite): 2^-64 from 2^60 up, 2^64 below
+// 2^-60, else 1; e * pre and 1 / pre are exact.
+DDPC_HD float sparse_pre(float absmax) {
+  return absmax >= 0x1p60f ? 0x1p-64f : (absmax < 0x1p-60f ? 0x1p64f : 1.0f);
+}
+
+// Dead-zone threshold in pre-scaled units, from the tree sum of (e * pre)^2.
+DDPC_HD float dead_zone(float sum_squares, int64_t valid) {
+  return kDeadZone * sqrtf(sum_squares / (float)valid);
+}
+
+// m from the tree sum of the kept (e * pre)'s |.|, count of them and pre.
+DDPC_HD float sparse_magnitude(float kept_sum, int64_t count, float pre) {
+  return count == 0 ? 0.0f : (kept_sum / (float)count) * (1.0f / pre);
+}
+
+// Element j's value: bitmap bit `kept`, sign bit `negative`.
+DDPC_HD float sparse_value(bool kept, bool negative, float m) {
+  return kept ? (negative ? -m : m) : m * 0.0f;
 }
 
 // ---------------------------------------------------------------------------------------

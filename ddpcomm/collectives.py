@@ -251,7 +251,7 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
             ops.quantize(
                 flat[e0:e1],
                 None if residual is None else residual[e0:e1],
-                q.bits,
+                q.code,
                 block,
                 q.stochastic,
                 seed,
@@ -265,7 +265,7 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
         e0, e1 = elements(i)
         with ctx.stats.timer():
             return ops.dequantize_sum(
-                rows, e1 - e0, q.bits, block, world, flat.dtype, flat[e0:e1], _scale(ctx, e0, e1)
+                rows, e1 - e0, q.code, block, world, flat.dtype, flat[e0:e1], _scale(ctx, e0, e1)
             )
 
     spans = [(r0 * rec, r1 * rec) for r0, r1 in pieces]
@@ -282,7 +282,7 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     if n == 0:
         return _empty(flat, ctx)
-    bits, block, rec = q.bits, q.block_size, q.record_bytes
+    bits, block, rec = q.code, q.block_size, q.record_bytes
     chunk = q.chunk_numel(n, world)  # elements per rank, whole blocks
     per_chunk = chunk // block  # records per chunk; the trailing chunks may hold fewer
     records = math.ceil(n / block)

@@ -29,7 +29,7 @@ import numbers
 
 import torch
 
-from ddpcomm.ops import check_int, numpy_bool
+from ddpcomm.ops import SPARSE_BITS, check_int, numpy_bool, payload_bytes
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -120,18 +120,27 @@ class CastCompression(Compressor):
 
 
 ALGORITHMS = ("auto", "two_phase", "all_gather")
+BITS = (8, 4, 2, 1.5, 1)
+# q1.5's block unless given: with normalize (TERNARY_NORMALIZE below) its 4-byte magnitude
+# per 512 elements costs 0.0625 bits per element.
+TERNARY_BLOCK = 512
 
 
 class Quantizer(Compressor):
-    """``q8``/``q4``/``q2``/``q1``: block-wise absmax quantization, packed b-bit codes.
+    """``q8``/``q4``/``q2``/``q1.5``/``q1``: block-wise quantization, packed codes.
 
     Args:
-        bits: 8, 4, 2 or 1. ``q1`` sends sign x block mean ``|x|`` (signSGD with scale);
+        bits: 8, 4, 2, 1.5 or 1. ``q1`` sends sign x block mean ``|x|`` (signSGD with scale);
             ``q2`` sends -m, 0 or +m with ``m = min(max |x|, 1.5 mean |x|)``, the clip that
             halves its error on transformer gradients against ``m = max |x|`` (0.78 ->
-            0.40 relative L2 per step, csrc/numerics.h).
+            0.40 relative L2 per step, csrc/numerics.h). ``q1.5`` sends -m, 0 or +m too,
+            as a bitmap of the nonzeros and their signs: an element is nonzero when
+            ``|x|`` exceeds 0.675 x the block's RMS (at most half the block, the largest),
+            and m is the mean ``|x|`` of those (1.5 bits per element plus the block's
+            magnitude; deterministic rounding only).
         block_size: elements per scale; a power of two in [32, 65536]. Larger blocks send
-            fewer scale bytes (4 per block) but quantize with a coarser step.
+            fewer scale bytes (4 per block) but quantize with a coarser step. ``None``:
+            ``TERNARY_BLOCK`` for q1.5, 256 for the rest.
         stochastic: unbiased stochastic rounding instead of round-to-nearest. Costs one
             counter-based random draw per element; draws are a function of
             (seed, step, bucket, rank, element), so runs are reproducible.
@@ -146,7 +155,8 @@ class Quantizer(Compressor):
             per element per refresh: 0.125 per step at K = 64). Gives AdamW back its
             per-element scaling under q2 and q1 (``ddpcomm.normalize``). Flat DDP hooks
             only. ``None`` leaves it to the hook state: ``DEFAULT_NORMALIZE`` for q2 and q1
-            in a flat, non-adaptive state, off otherwise and outside hooks.
+            (``TERNARY_NORMALIZE`` for q1.5) in a flat, non-adaptive state, off otherwise
+            and outside hooks.
     """
 
     __slots__ = (
@@ -161,17 +171,22 @@ class Quantizer(Compressor):
 
     def __init__(
         self,
-        bits: int = 8,
-        block_size: int = 256,
+        bits: float = 8,
+        block_size: int | None = None,
         stochastic: bool = False,
         error_feedback: bool | None = None,
         algorithm: str = "auto",
         seed: int = 0,
         normalize: int | None = None,
     ) -> None:
-        if isinstance(bits, bool) or bits not in (1, 2, 4, 8):
-            raise ValueError(f"bits must be one of 1, 2, 4, 8, got {bits!r}")
-        bits = check_int(bits, "bits", 1, 8)  # 8.0 is one of them, but not an int
+        if isinstance(bits, bool) or bits not in BITS:
+            raise ValueError(f"bits must be one of 1, 1.5, 2, 4, 8, got {bits!r}")
+        if bits != 1.5:
+            bits = check_int(bits, "bits", 1, 8)  # 8.0 is one of them, but not an int
+        elif not isinstance(bits, float):
+            raise TypeError(f"bits must be an int or 1.5, got {bits!r}")
+        if block_size is None:
+            block_size = TERNARY_BLOCK if bits == 1.5 else 256
         block_size = check_int(block_size, "block_size", 32, 65536)
         if block_size & (block_size - 1):
             raise ValueError(f"block_size must be a power of two in [32, 65536], got {block_size}")
@@ -182,6 +197,8 @@ class Quantizer(Compressor):
         self.bits = bits
         self.block_size = block_size
         self.stochastic = _check_bool(stochastic, "stochastic")
+        if self.stochastic and bits == 1.5:
+            raise ValueError("stochastic rounding is not defined for q1.5; leave it False")
         self.error_feedback = _check_bool(error_feedback, "error_feedback")
         self.algorithm = algorithm
         self.seed = check_int(seed, "seed", 0, 2**63 - 1)
@@ -192,9 +209,15 @@ class Quantizer(Compressor):
         return f"q{self.bits}"
 
     @property
+    def code(self) -> int:
+        """The ``bits`` the quantizer ops take: ``ops.SPARSE_BITS`` for q1.5."""
+        return SPARSE_BITS if self.bits == 1.5 else self.bits
+
+    @property
     def record_bytes(self) -> int:
-        """One block on the wire: a float32 magnitude, then B codes of b bits."""
-        return 4 + self.block_size * self.bits // 8
+        """One block on the wire: a float32 magnitude, then B codes of b bits (q1.5: a
+        B-bit bitmap and B/2 sign bits)."""
+        return payload_bytes(self.block_size, self.code, self.block_size)
 
     def payload_bytes(self, numel: int) -> int:
         return math.ceil(numel / self.block_size) * self.record_bytes
@@ -370,7 +393,7 @@ class RandomK(_Sparsifier):
 # Spec strings
 # --------------------------------------------------------------------------------------
 
-SPECS = ("none", "fp16", "bf16", "q8", "q4", "q2", "q1", "topk:R", "randk:R")
+SPECS = ("none", "fp16", "bf16", "q8", "q4", "q2", "q1.5", "q1", "topk:R", "randk:R")
 # Options a spec string may carry that belong to the hook state, not to the method.
 # ``hierarchy`` (ranks per node, or "auto") also rides in ddpcomm.all_reduce's spec.
 STATE_OPTIONS = ("start_iter", "min_numel", "ramp", "adaptive", "adaptive_every", "hierarchy")
@@ -482,12 +505,12 @@ def _method(method: str) -> tuple[type, tuple]:
         except ValueError:
             raise ValueError(f"ratio must be a number in (0, 1], got {arg!r}") from None
         return (TopK if name == "topk" else RandomK), (ratio,)
-    if name not in ("none", "fp16", "bf16", "q8", "q4", "q2", "q1"):
+    if name not in ("none", "fp16", "bf16", "q8", "q4", "q2", "q1.5", "q1"):
         raise ValueError(f"unknown compression spec {method!r}; known methods: {', '.join(SPECS)}")
     if colon:
         raise ValueError(f"compression spec {name!r} takes no ':' argument, got {arg!r}")
     if name.startswith("q"):
-        return Quantizer, (int(name[1:]),)
+        return Quantizer, (1.5 if name == "q1.5" else int(name[1:]),)
     if name == "none":
         return NoCompression, ()
     return CastCompression, (torch.float16 if name == "fp16" else torch.bfloat16,)
@@ -630,6 +653,10 @@ SPARSE_SCHEDULE = (200, 200)
 # element per step at K = 64. At decay 0.8 a refresh every K = 64 steps beat K = 32 at every
 # seed for q1 (+4.25% against +5.15%); K = 16 did no better than 32.
 DEFAULT_NORMALIZE = 64
+# q1.5's: in a prototype of its code on the same GPT (benchmarks/RESULTS.md, steady state)
+# blocks of 512 with a refresh every 128 steps ended +1.76% (seeds 0-3) against +1.50% at
+# 256 and 64, for 1.59 bits per element after the warm-up instead of 1.67.
+TERNARY_NORMALIZE = 128
 
 
 def resolve_normalize(c: Compressor, flat_hook: bool) -> Compressor:
@@ -637,7 +664,8 @@ def resolve_normalize(c: Compressor, flat_hook: bool) -> Compressor:
     q1 in a flat, non-adaptive hook state (``flat_hook``) and 0 for the rest."""
     if not isinstance(c, Quantizer) or c.normalize is not None:
         return c
-    k = DEFAULT_NORMALIZE if flat_hook and c.bits <= 2 else 0
+    k = (TERNARY_NORMALIZE if c.bits == 1.5 else DEFAULT_NORMALIZE) if c.bits <= 2 else 0
+    k = k if flat_hook else 0
     return Quantizer(c.bits, c.block_size, c.stochastic, c.error_feedback, c.algorithm, c.seed, k)
 
 

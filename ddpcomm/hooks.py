@@ -459,7 +459,7 @@ class _MethodState(CompressionState):
 
 
 class QuantizeState(_MethodState):
-    """``CompressionState`` of a ``Quantizer(bits=8, block_size=256, stochastic=False,
+    """``CompressionState`` of a ``Quantizer(bits=8, block_size=None, stochastic=False,
     error_feedback=None, algorithm="auto", seed=0)``: block-wise b-bit quantization.
 
     Example::

@@ -51,9 +51,15 @@ def build_info() -> dict:
     return info
 
 
+# The ``bits`` the quantizer ops take for q1.5's code (numerics.h kSparseBits): its records
+# hold 3/16 of a byte per element. No 3-bit code exists.
+SPARSE_BITS = 3
+
+
 def payload_bytes(numel: int, bits: int, block_size: int) -> int:
     """Bytes of the packed payload for ``numel`` values (csrc/numerics.h layout)."""
-    return (numel + block_size - 1) // block_size * (4 + block_size * bits // 8)
+    codes = block_size * 3 // 16 if bits == SPARSE_BITS else block_size * bits // 8
+    return (numel + block_size - 1) // block_size * (4 + codes)
 
 
 def divisor(n: int, like: torch.Tensor):
@@ -144,10 +150,21 @@ def _check_apart(a, a_arg, b, b_arg, op) -> None:
 
 
 def _check_bits_block(bits, block_size, op):
-    _check(bits in (1, 2, 4, 8), f"{op}: bits must be one of 1, 2, 4, 8, got {bits}")
+    _check(
+        bits in (1, 2, 4, 8, SPARSE_BITS),
+        f"{op}: bits must be one of 1, 2, 4, 8 or 3 (the 1.5-bit code), got {bits}",
+    )
     _check(
         32 <= block_size <= 65536 and block_size & (block_size - 1) == 0,
         f"{op}: block_size must be a power of two in [32, 65536], got {block_size}",
+    )
+
+
+def _check_rounding(bits, stochastic, op):
+    """checks.h check_rounding."""
+    _check(
+        not (stochastic and bits == SPARSE_BITS),
+        f"{op}: stochastic rounding is not defined for the 1.5-bit code (bits=3)",
     )
 
 
@@ -305,6 +322,7 @@ def quantize(
     _check_ints(
         "quantize", bits=bits, block_size=block_size, seed=seed, step=step, rng_offset=rng_offset
     )
+    _check_rounding(bits, stochastic, "quantize")
     if out is None:
         _check_bits_block(bits, block_size, "quantize")
         out = x.new_empty(payload_bytes(x.numel(), bits, block_size), dtype=torch.uint8)
@@ -403,6 +421,7 @@ def dequantize_sum_requantize(
         rng_offset=rng_offset,
     )
     _check_payloads(payloads, 2, numel, bits, block_size, torch.float32, op)
+    _check_rounding(bits, stochastic, op)
     out = payloads.new_empty(payload_bytes(numel, bits, block_size), dtype=torch.uint8)
     _ops.dequantize_sum_requantize_into(
         payloads,
@@ -434,6 +453,7 @@ def _check_quantize(x, residual, out, bits, block_size):
 @torch.library.register_fake("ddpcomm::quantize_into")
 def _(x, residual, out, bits, block_size, stochastic=False, seed=0, step=0, rng_offset=0):
     _check_quantize(x, residual, out, bits, block_size)
+    _check_rounding(bits, stochastic, "quantize")
 
 
 def _check_scale_quantize(x, average, scale, beta, residual, out, bits, block_size):
@@ -456,8 +476,9 @@ def _check_scale_quantize(x, average, scale, beta, residual, out, bits, block_si
 
 
 @torch.library.register_fake("ddpcomm::scale_quantize_into")
-def _(x, average, scale, beta, residual, out, bits, block_size, *args):
+def _(x, average, scale, beta, residual, out, bits, block_size, stochastic=False, *args):
     _check_scale_quantize(x, average, scale, beta, residual, out, bits, block_size)
+    _check_rounding(bits, stochastic, "quantize")
 
 
 def _check_float32_like(t, arg, ref, ref_arg, op):
@@ -502,6 +523,7 @@ def _(
 ):
     op = "dequantize_sum_requantize"
     _check_payloads(payloads, 2, numel, bits, block_size, torch.float32, op)
+    _check_rounding(bits, stochastic, op)
     _check_residual(residual, numel, payloads.device, op)
     _check(divisor >= 1, f"{op}: divisor must be >= 1, got {divisor}")
     need = payload_bytes(numel, bits, block_size)

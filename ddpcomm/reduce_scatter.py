@@ -169,7 +169,7 @@ def _sum_rows(rows: torch.Tensor, out: torch.Tensor, divisor: int, ctx: ReduceCo
 def _quantized(output, input, q: Quantizer, ctx, residual, divisor, factor):
     world, rank = dist.get_world_size(ctx.pg), dist.get_rank(ctx.pg)
     n, dev = output.numel(), output.device
-    bits, block, rec = q.bits, q.block_size, q.record_bytes
+    bits, block, rec = q.code, q.block_size, q.record_bytes
     size = q.payload_bytes(n)  # one chunk's records
     send = ctx.buffer("send", world * size, dev)
     received = ctx.buffer("receive", world * size, dev)

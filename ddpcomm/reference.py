@@ -93,8 +93,15 @@ def max_level(bits: int) -> int:
     return (1 << (bits - 1)) - 1
 
 
+SPARSE_BITS = 3  # ops' bits for q1.5's code (numerics.h kSparseBits)
+
+
+def _code_bytes(bits: int, block_size: int) -> int:
+    return block_size * 3 // 16 if bits == SPARSE_BITS else block_size * bits // 8
+
+
 def payload_bytes(numel: int, bits: int, block_size: int) -> int:
-    return math.ceil(numel / block_size) * (4 + block_size * bits // 8)
+    return math.ceil(numel / block_size) * (4 + _code_bytes(bits, block_size))
 
 
 def _tree_sum(a: torch.Tensor) -> torch.Tensor:
@@ -175,12 +182,76 @@ def _dequant_blocks(m: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Te
     return m[:, None] * _levels(bits)[codes.long()]
 
 
+# numerics.h, q1.5: the dead zone in block RMS units.
+DEAD_ZONE = 0.675
+
+
+def _sparse_kept(e: torch.Tensor, valid: torch.Tensor):
+    """q1.5's choice for [nb, B] blocks (numerics.h): (kept [nb, B] bool, m [nb])."""
+    nb, block = e.shape
+    a = e.abs()
+    finite = torch.isfinite(e).all(1)
+    absmax = torch.where(finite, a.amax(1), torch.zeros(nb))
+    one = torch.ones(nb)
+    pre = torch.where(
+        absmax >= 2.0**60, one * 2.0**-64, torch.where(absmax < 2.0**-60, one * 2.0**64, one)
+    )
+    ap = a * pre[:, None]
+    t = torch.tensor(DEAD_ZONE, dtype=torch.float32) * torch.sqrt(
+        _tree_sum(ap * ap) / valid.float()
+    )
+    over = ap > t[:, None]
+    cap = block // 2
+    # Past the cap, the cap largest |e|, ties to the lower index (a stable sort).
+    order = torch.sort(a, dim=1, descending=True, stable=True).indices[:, :cap]
+    top = torch.zeros_like(over).scatter_(1, order, True)
+    kept = torch.where((over.sum(1) > cap)[:, None], top, over) & finite[:, None]
+    count = kept.sum(1)
+    mean = _tree_sum(torch.where(kept, ap, torch.zeros(()))) / count.clamp(min=1).float()
+    m = torch.where(count > 0, mean * (1.0 / pre), torch.zeros(nb))
+    return kept, torch.where(finite, m, torch.full_like(m, float("nan")))
+
+
+def _sparse_values(kept: torch.Tensor, negative: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """numerics.h sparse_value for [nb, B] bitmaps and signs."""
+    mm = m[:, None].expand_as(kept)
+    return torch.where(kept, torch.where(negative, -mm, mm), mm * 0.0)
+
+
+def _sparse_encode(e, valid):
+    kept, m = _sparse_kept(e, valid)
+    nb, block = e.shape
+    negative = e < 0
+    # Sign i of a record is that of its i-th kept element.
+    slot = torch.cumsum(kept.long(), 1) - 1
+    signs = torch.zeros(nb, block // 2, dtype=torch.int32)
+    rows = torch.arange(nb)[:, None].expand_as(kept)
+    signs[rows[kept], slot[kept]] = negative[kept].int()
+    packed = torch.cat(
+        [m.view(nb, 1).view(torch.uint8), _pack(kept.int(), 1), _pack(signs, 1)], dim=1
+    )
+    return packed.reshape(-1), _sparse_values(kept, negative & kept, m)
+
+
+def _sparse_decode(rec: torch.Tensor, block: int) -> torch.Tensor:
+    nb = rec.shape[0]
+    m = rec[:, :4].reshape(-1).clone().view(torch.float32)
+    kept = _unpack(rec[:, 4 : 4 + block // 8], 1).bool()
+    signs = _unpack(rec[:, 4 + block // 8 :], 1).bool()
+    slot = (torch.cumsum(kept.long(), 1) - 1).clamp(min=0)
+    # Set bits past the (B/2)-th read as positive (numerics.h).
+    negative = torch.gather(signs, 1, slot.clamp(max=block // 2 - 1)) & kept & (slot < block // 2)
+    return _sparse_values(kept, negative, m).view(nb, block)
+
+
 def _encode(e, n, bits, block_size, stochastic, seed, step, rng_offset):
     """Quantize [nb, B] fp32 blocks holding n valid values; returns (packed, deq)."""
     nb = e.shape[0]
     valid = torch.full((nb,), block_size, dtype=torch.int64)
     if nb:
         valid[-1] = n - (nb - 1) * block_size
+    if bits == SPARSE_BITS:
+        return _sparse_encode(e, valid)
     m = _magnitudes(e, valid, bits, stochastic)
     codes = _codes(e, m, bits, stochastic, seed, step, rng_offset)
     packed = torch.cat([m.view(nb, 1).view(torch.uint8), _pack(codes, bits)], dim=1)
@@ -214,8 +285,10 @@ def quantize(
 
 def _decode(packed: torch.Tensor, numel: int, bits: int, block_size: int) -> torch.Tensor:
     nb = math.ceil(numel / block_size)
-    rb = 4 + block_size * bits // 8
+    rb = 4 + _code_bytes(bits, block_size)
     rec = packed.reshape(-1)[: nb * rb].view(nb, rb)
+    if bits == SPARSE_BITS:
+        return _sparse_decode(rec, block_size).reshape(-1)[:numel]
     m = rec[:, :4].reshape(-1).clone().view(torch.float32)
     codes = _unpack(rec[:, 4:], bits)
     return _dequant_blocks(m, codes, bits).reshape(-1)[:numel]

@@ -232,7 +232,7 @@ def _quantized(q: Quantizer, flat, residuals: dict, param, pg, world: int) -> to
     """collectives' two quantized algorithms, per parameter and in program order: the
     collectives of a traced backward are issued in the order they are traced, the same on
     every rank, so two-phase needs no sequencer here."""
-    n, bits, block = flat.numel(), q.bits, q.block_size
+    n, bits, block = flat.numel(), q.code, q.block_size
     if q.resolve_algorithm(world) == "all_gather":
         residual = _residual(residuals, param, n, flat.device) if q.error_feedback else None
         payload = ops.quantize(flat, residual, bits, block)

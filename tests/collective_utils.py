@@ -28,7 +28,7 @@ def per_group(test):
     return pytest.mark.parametrize("device", DEVICES)(test)
 
 
-def quantizer(bits: int, algorithm: str = "auto", **options) -> tuple[str, dict]:
+def quantizer(bits: float, algorithm: str = "auto", **options) -> tuple[str, dict]:
     """(spec, options) of a quantizer with the tests' block size."""
     return f"q{bits}", dict(block_size=BLOCK, algorithm=algorithm, **options)
 
@@ -96,7 +96,9 @@ def quantization_error_bound(
 
     Each rank's quantization moves x by at most step/2 = m / (2L) (b >= 4), by at most
     max(absmax / 2, |x|) (2-bit: |x| <= m rounds within m / 2, a value above the clipped
-    m codes +-m) or by at most |x| + m (1-bit: sign times block mean |x|). The result is
+    m codes +-m), by at most |x| + m (1-bit: sign times block mean |x|) or by at most the
+    block's absmax (q1.5: a kept x and its +-m share a sign and lie in [0, absmax]; a dropped
+    one moves by |x|). The result is
     the mean of the dequantized payloads; two-phase re-quantizes that mean, adding its own
     bound on blocks laid out from each chunk's start. The small relative slack covers fp32
     rounding of sums.
@@ -104,6 +106,8 @@ def quantization_error_bound(
     world = len(xs)
 
     def one(x, block_start_offset=0):
+        if bits == 1.5:
+            return block_absmax(x, BLOCK)
         if bits == 1:
             # m <= block absmax, so |x - deq| <= |x| + absmax.
             return x.abs() + block_absmax(x, BLOCK)

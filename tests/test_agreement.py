@@ -116,6 +116,8 @@ def _hook_cases():
         "fp16_vs_bf16": ("compression", spec("fp16", "bf16")),
         "fp16_vs_none": ("compression", spec("fp16", "none")),
         "q8_vs_topk": ("compression", spec("q8", "topk:0.1")),
+        "q2_vs_q1.5": ("compression", spec("q2", "q1.5")),
+        "q1.5_block_size": ("block_size", spec("q1.5", block_size=256)),
         "q8_vs_allreduce_hook": (
             "compression",
             lambda odd, g: (g, ddpcomm.allreduce_hook) if odd else (S("q8", process_group=g), c),

@@ -151,8 +151,11 @@ ROWS = [
     ("spec", "none ramp", lambda: ddpcomm.CompressionState("none,ramp=5"), ValueError,
      "ramp needs a method with a milder stage"),
     # Quantizer options
-    ("quantizer", "bits 3", lambda: Quantizer(3), ValueError, "bits must be one of 1, 2, 4, 8"),
+    ("quantizer", "bits 3", lambda: Quantizer(3), ValueError,
+     "bits must be one of 1, 1.5, 2, 4, 8"),
     ("quantizer", "bits 8.0", lambda: Quantizer(8.0), TypeError, "bits must be an int"),
+    ("quantizer", "q1.5 stochastic", lambda: Quantizer(1.5, stochastic=True), ValueError,
+     "stochastic rounding is not defined for q1.5"),
     ("quantizer", "bits True", lambda: Quantizer(True), ValueError, "bits must be one of"),
     ("quantizer", "bits np.bool", lambda: Quantizer(np.bool_(True)), TypeError, "bits must be"),
     ("quantizer", "bits '8'", lambda: Quantizer("8"), ValueError, "bits must be one of"),

@@ -411,6 +411,10 @@ LAYOUT_CHANGES = {
     "topk": (lambda: ddpcomm.TopKState(0.05, **FROM_START), ddpcomm.topk_hook),
     # Scales refreshed every 2 compressed steps: residuals rescaled before and after resumes.
     "q1norm": (lambda: ddpcomm.QuantizeState(1, normalize=2, **FROM_START), ddpcomm.quantize_hook),
+    "q1.5norm": (
+        lambda: ddpcomm.QuantizeState(1.5, block_size=64, normalize=2, **FROM_START),
+        ddpcomm.quantize_hook,
+    ),
 }
 
 
@@ -426,7 +430,9 @@ def _layout_change_body(rank, world, tmp, methods):
     return out
 
 
-@pytest.mark.parametrize("world, methods", [(2, ("q2", "topk", "q1norm")), (3, ("q2", "q1norm"))])
+@pytest.mark.parametrize(
+    "world, methods", [(2, ("q2", "topk", "q1norm", "q1.5norm")), (3, ("q2", "q1norm", "q1.5norm"))]
+)
 def test_error_feedback_survives_a_layout_change(tmp_path, world, methods):
     """DDP's rebuild within a run and a resume with another bucket_cap_mb both move every
     parameter's residual to its new bucket (3 ranks: the two-phase quantizer's owner

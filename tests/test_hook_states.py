@@ -24,7 +24,7 @@ from tests.dist_utils import run_ranks
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        ({"bits": 3}, ValueError, "bits must be one of 1, 2, 4, 8"),
+        ({"bits": 3}, ValueError, "bits must be one of 1, 1.5, 2, 4, 8"),
         ({"bits": True}, ValueError, "bits must be one of"),
         ({"block_size": 100}, ValueError, "block_size must be a power of two"),
         ({"block_size": 16}, ValueError, r"block_size must be in \[32, 65536\]"),

@@ -43,10 +43,11 @@ def test_hook_states_default_to_it_for_q2_and_q1_alone():
         assert ddpcomm.CompressionState(f"q{bits}").compressor.normalize == k
         assert ddpcomm.QuantizeState(bits).compressor.normalize == k
         assert ddpcomm.CompressionState(f"q{bits},normalize=0").compressor.normalize == 0
+    assert ddpcomm.CompressionState("q1.5").compressor.normalize == compressors.TERNARY_NORMALIZE
     for spec in ("q4", "q8"):
         assert ddpcomm.CompressionState(spec).compressor.normalize == 0
     # Where it cannot run, the default is off (given explicitly, it is refused: below).
-    for spec in ("q1", "q2"):
+    for spec in ("q1", "q1.5", "q2"):
         assert ddpcomm.CompressionState(spec, hierarchy=2).compressor.normalize == 0
         assert ddpcomm.CompressionState(spec, adaptive=True).compressor.normalize == 0
 

@@ -12,10 +12,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 #include <vector>
 
@@ -497,10 +499,24 @@ void sum_rows(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t blk, i
   }
 }
 
+#include "sparse_code.h"
+
 using SumRowsFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
                            const Divide&, const float*, float*, float*);
 
 SumRowsFn pick_sum_rows(int bits, SumTo to) {
+  if (bits == kSparseBits) {
+    switch (to) {
+      case SumTo::kResult:
+        return &sparse_sum_rows<SumTo::kResult>;
+      case SumTo::kScaled:
+        return &sparse_sum_rows<SumTo::kScaled>;
+      case SumTo::kSum:
+        return &sparse_sum_rows<SumTo::kSum>;
+      default:
+        return &sparse_sum_rows<SumTo::kRequant>;
+    }
+  }
   return with_bits(bits, [&](auto b) -> SumRowsFn {
     constexpr int kBits = decltype(b)::value;
     switch (to) {
@@ -538,31 +554,59 @@ void update_residual(const uint8_t* record, const float* s, float scale, int64_t
   }
 }
 
-// The steps of encoding a block, for the bit width and rounding picked at launch.
-struct Encoder {
-  float (*magnitude)(const float* e, int64_t valid, int64_t B, float* tree);
-  void (*write)(const float* e, int64_t B, float m, uint64_t key, int64_t index0, uint8_t* record,
-                uint8_t* codes);
-  void (*residual)(const uint8_t* record, const float* s, float scale, int64_t valid, float* res);
-
-  Encoder(int bits, bool stochastic) {
-    with_bits(bits, [&](auto b) {
-      constexpr int kBits = decltype(b)::value;
-      magnitude = stochastic ? &block_magnitude<kBits, true> : &block_magnitude<kBits, false>;
-      write = stochastic ? &write_record<kBits, true> : &write_record<kBits, false>;
-      residual = &update_residual<kBits>;
-    });
-  }
-};
-
 // Per-task scratch: two staged blocks (and for requantize their sums), a tree-sum buffer,
-// codes.
+// codes, and q1.5's magnitude keys.
 struct Scratch {
   std::vector<float> e[2], sum[2], tree;
   std::vector<uint8_t> codes;
+  std::vector<uint32_t> keys;
   Scratch(int64_t B, bool sums)
-      : e{std::vector<float>(B), std::vector<float>(B)}, tree(B), codes(B) {
+      : e{std::vector<float>(B), std::vector<float>(B)}, tree(B), codes(B), keys(B) {
     if (sums) sum[0].resize(B), sum[1].resize(B);
+  }
+};
+
+template <int kBits, bool kStochastic>
+void write_block(const float* e, int64_t B, int64_t, float m, uint64_t key, int64_t index0,
+                 uint8_t* record, Scratch& s) {
+  write_record<kBits, kStochastic>(e, B, m, key, index0, record, s.codes.data());
+}
+
+template <int kBits>
+void block_residual(const uint8_t* record, int64_t, const float* s, float scale, int64_t valid,
+                    float* res) {
+  update_residual<kBits>(record, s, scale, valid, res);
+}
+
+// q1.5 decides its magnitude and codes together, in its write step.
+float no_magnitude(const float*, int64_t, int64_t, float*) { return 0.0f; }
+
+void write_sparse(const float* e, int64_t B, int64_t valid, float, uint64_t, int64_t,
+                  uint8_t* record, Scratch& s) {
+  sparse_write(e, B, valid, record, s.keys.data(), s.tree.data());
+}
+
+// The steps of encoding a block, for the bit width and rounding picked at launch.
+struct Encoder {
+  float (*magnitude)(const float* e, int64_t valid, int64_t B, float* tree);
+  void (*write)(const float* e, int64_t B, int64_t valid, float m, uint64_t key, int64_t index0,
+                uint8_t* record, Scratch& s);
+  void (*residual)(const uint8_t* record, int64_t B, const float* s, float scale, int64_t valid,
+                   float* res);
+
+  Encoder(int bits, bool stochastic) {
+    if (bits == kSparseBits) {
+      magnitude = &no_magnitude;
+      write = &write_sparse;
+      residual = &sparse_residual;
+      return;
+    }
+    with_bits(bits, [&](auto b) {
+      constexpr int kBits = decltype(b)::value;
+      magnitude = stochastic ? &block_magnitude<kBits, true> : &block_magnitude<kBits, false>;
+      write = stochastic ? &write_block<kBits, true> : &write_block<kBits, false>;
+      residual = &block_residual<kBits>;
+    });
   }
 };
 
@@ -588,7 +632,7 @@ void encode_blocks(const Encoder& enc, int64_t b0, int64_t b1, int64_t B, int64_
       m_next = enc.magnitude(e_next, valid(blk + 1), B, s.tree.data());
     }
     uint8_t* record = out + blk * rec;
-    enc.write(e, B, m, key, rng_offset + blk * B, record, s.codes.data());
+    enc.write(e, B, valid(blk), m, key, rng_offset + blk * B, record, s);
     done(blk, slot, e, record);
     e = e_next;
     m = m_next;
@@ -625,8 +669,7 @@ void quantize_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual
       const bool tree_first = uses_mean((int)bits, stochastic);
       auto stage = [&](int64_t blk, int slot) -> const float* {
         const int64_t start = blk * B, valid = std::min(B, n - start);
-        if (std::is_same_v<scalar_t, float> && res == nullptr && scaling == nullptr &&
-            valid == B) {
+        if (std::is_same_v<scalar_t, float> && res == nullptr && scaling == nullptr && valid == B) {
           // A full fp32 block is read in place. Staging is one streaming pass that the
           // hardware prefetcher keeps up with (quantize_ef lost 15% of a copy to prefetches).
           if (tree_first && blk + ahead < nb)
@@ -644,7 +687,8 @@ void quantize_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual
             }
           }
           for (int64_t j = 0; j < valid; ++j) {
-            e[j] = static_cast<float>(static_cast<scalar_t>(static_cast<float>(xp[start + j]) / sp[j]));
+            e[j] = static_cast<float>(
+                static_cast<scalar_t>(static_cast<float>(xp[start + j]) / sp[j]));
           }
         } else {
           for (int64_t j = 0; j < valid; ++j) e[j] = static_cast<float>(xp[start + j]);
@@ -657,7 +701,7 @@ void quantize_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual
       };
       auto done = [&](int64_t blk, int, const float* e, const uint8_t* record) {
         const int64_t start = blk * B;
-        if (res != nullptr) enc.residual(record, e, 1.0f, std::min(B, n - start), res + start);
+        if (res != nullptr) enc.residual(record, B, e, 1.0f, std::min(B, n - start), res + start);
       };
       for (int64_t b0, b1; next(b0, b1);) {
         encode_blocks(enc, b0, b1, B, n, out, rec, key, rng_offset, s, stage, done);
@@ -670,6 +714,7 @@ void quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& res
                        const at::Tensor& packed, int64_t bits, int64_t block_size, bool stochastic,
                        int64_t seed, int64_t step, int64_t rng_offset) {
   check_quantize(x, residual, packed, bits, block_size);
+  check_rounding(bits, stochastic, "quantize_into");
   quantize_cpu(x, residual, packed, bits, block_size, stochastic, seed, step, rng_offset, nullptr);
 }
 
@@ -679,14 +724,14 @@ void scale_quantize_into_cpu(const at::Tensor& x, const std::optional<at::Tensor
                              int64_t bits, int64_t block_size, bool stochastic, int64_t seed,
                              int64_t step, int64_t rng_offset) {
   check_scale_quantize(x, average, scale, beta, residual, packed, bits, block_size);
+  check_rounding(bits, stochastic, "scale_quantize_into");
   if (x.scalar_type() != at::kFloat) {  // torch's mixed-dtype addcmul_ sets those bits
     return scale_quantize_aten(x, average, scale, beta, residual, packed, bits, block_size,
                                stochastic, seed, step, rng_offset);
   }
   const Scaling scaling{scale.data_ptr<float>(), average ? average->data_ptr<float>() : nullptr,
                         (float)beta, (float)(1.0 - beta)};
-  quantize_cpu(x, residual, packed, bits, block_size, stochastic, seed, step, rng_offset,
-               &scaling);
+  quantize_cpu(x, residual, packed, bits, block_size, stochastic, seed, step, rng_offset, &scaling);
 }
 
 void dequantize_sum_into_cpu(const at::Tensor& payloads, const at::Tensor& result, int64_t bits,
@@ -736,6 +781,7 @@ void dequantize_sum_requantize_into_cpu(const at::Tensor& payloads,
                                         int64_t block_size, int64_t divisor, bool stochastic,
                                         int64_t seed, int64_t step, int64_t rng_offset) {
   check_dequantize_sum_requantize(payloads, residual, packed, numel, bits, block_size, divisor);
+  check_rounding(bits, stochastic, "dequantize_sum_requantize_into");
   const at::Tensor pc = payloads.contiguous();
   const int64_t B = block_size, nb = num_blocks(numel, B), rec = record_bytes(B, (int)bits);
   const int64_t rows = pc.size(0), row_bytes = pc.size(1);
@@ -760,7 +806,7 @@ void dequantize_sum_requantize_into_cpu(const at::Tensor& payloads,
     auto done = [&](int64_t blk, int slot, const float*, const uint8_t* record) {
       const int64_t start = blk * B;
       if (res != nullptr) {
-        enc.residual(record, s.sum[slot].data(), d.div, std::min(B, numel - start), res + start);
+        enc.residual(record, B, s.sum[slot].data(), d.div, std::min(B, numel - start), res + start);
       }
     };
     for (int64_t b0, b1; next(b0, b1);) {

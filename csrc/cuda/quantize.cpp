@@ -43,6 +43,7 @@ void quantize_into_cuda(const at::Tensor& x, const std::optional<at::Tensor>& re
                         int64_t seed, int64_t step, int64_t rng_offset) {
   check_quantize(x, residual, packed, bits, block_size);
   check_on_cuda(x, "x", "quantize");
+  check_rounding(bits, stochastic, "quantize");
   const int64_t n = x.numel();
   if (n == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
@@ -83,6 +84,7 @@ void dequantize_sum_requantize_into_cuda(const at::Tensor& payloads,
                                          int64_t seed, int64_t step, int64_t rng_offset) {
   check_dequantize_sum_requantize(payloads, residual, packed, numel, bits, block_size, divisor);
   check_on_cuda(payloads, "payloads", "dequantize_sum_requantize");
+  check_rounding(bits, stochastic, "dequantize_sum_requantize");
   if (numel == 0) return;
   const c10::cuda::CUDAGuard guard(payloads.device());
   const at::Tensor ws = encode_workspace(numel, bits, block_size, stochastic, payloads);

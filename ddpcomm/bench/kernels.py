@@ -47,7 +47,7 @@ OPS = {  # name: (what is timed, the argument it takes, an example)
     ),
 }
 QUANTIZER_OPS = ("quantize", "quantize_ef", "dequantize_sum", "requantize")
-DEFAULT_OPS = [f"{op}:q{b}" for b in (8, 4, 1) for op in QUANTIZER_OPS]
+DEFAULT_OPS = [f"{op}:q{b}" for b in (8, 4, 1.5, 1) for op in QUANTIZER_OPS]
 DEFAULT_OPS.append("hook_path:q8")
 # 'all' adds q2 (the quantizer ops at every width), stochastic rounding and the other families.
 ALL_OPS = ["quantize_stochastic:q8", *DEFAULT_OPS, *[f"{op}:q2" for op in QUANTIZER_OPS]]
@@ -120,8 +120,8 @@ def parse_op(spec: str) -> tuple[str, float]:
     name, _, arg = spec.partition(":")
     kind = OPS.get(name, (None, None))[1]
     try:
-        if kind == "q<bits>" and arg in ("q1", "q2", "q4", "q8"):
-            return name, int(arg[1:])
+        if kind == "q<bits>" and arg in ("q1", "q1.5", "q2", "q4", "q8"):
+            return name, ops.SPARSE_BITS if arg == "q1.5" else int(arg[1:])
         if kind == "<ratio>" and 0 < float(arg) <= 1:
             return name, float(arg)
         if kind == "<tensors>" and int(arg) >= 1:
@@ -129,8 +129,8 @@ def parse_op(spec: str) -> tuple[str, float]:
     except ValueError:
         pass
     raise argparse.ArgumentTypeError(
-        f"unknown op {spec!r}: expected <op>:q<bits> (bits 1, 2, 4, 8), <op>:<ratio in (0, 1]> "
-        f"or <op>:<tensors>; see --help for the ops"
+        f"unknown op {spec!r}: expected <op>:q<bits> (bits 1, 1.5, 2, 4, 8), "
+        f"<op>:<ratio in (0, 1]> or <op>:<tensors>; see --help for the ops"
     )
 
 
@@ -151,7 +151,8 @@ def _calls(spec: str, n: int, device, world: int, seed: int):
     res, out, N, f32 = torch.zeros_like(x), torch.empty_like(x), world, torch.float32
     kind, torch_call = OPS[name][1], None
     if kind == "q<bits>":
-        b, B = arg, BLOCK
+        # q1.5 at its default block (compressors.TERNARY_BLOCK), the rest at 256.
+        b, B = arg, (512 if arg == ops.SPARSE_BITS else BLOCK)
         P = ops.payload_bytes(n, b, B)
         packed = torch.empty(P, dtype=torch.uint8, device=device)
         payloads = torch.stack([ops.quantize(x * (r + 1), None, b, B) for r in range(N)])

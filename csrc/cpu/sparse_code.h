@@ -1,0 +1,203 @@
+// q1.5 on the CPU (numerics.h): the encoder's write step, the residual and the row sums of
+// its records. Included by quantize.cpp inside its namespace, after Divide, SumTo and the
+// 8-lane vector helpers. Both directions work on one 32-bit bitmap word (32 elements) at a
+// time: the signs of a word's kept elements are its sign bits gathered under the bitmap
+// word (BMI2's pext) on the way out, and spread back over it (pdep) on the way in.
+#pragma once
+
+constexpr int kWordBits = 32;  // elements per bitmap word
+
+// x's bits at the set bits of mask, packed low (pext), and its inverse (pdep).
+LANES_INLINE uint32_t gather_bits(uint32_t x, uint32_t mask) {
+#if DDPCOMM_HAVE_AVX2
+  return _pext_u32(x, mask);
+#else
+  uint32_t r = 0;
+  for (int i = 0; mask != 0; mask &= mask - 1, ++i) r |= ((x >> __builtin_ctz(mask)) & 1u) << i;
+  return r;
+#endif
+}
+
+LANES_INLINE uint32_t spread_bits(uint32_t x, uint32_t mask) {
+#if DDPCOMM_HAVE_AVX2
+  return _pdep_u32(x, mask);
+#else
+  uint32_t r = 0;
+  for (; mask != 0; mask &= mask - 1, x >>= 1) r |= (x & 1u) ? (mask & (0u - mask)) : 0u;
+  return r;
+#endif
+}
+
+// numerics.h block_tree_sum of tree[0, B) (B >= 16), 8 lanes at a time down to 8 values,
+// then within one vector, as abs_tree_sum.
+LANES_INLINE float tree_sum(float* tree, int64_t B) {
+  for (int64_t w = B / 2; w >= kLanes; w /= 2) {
+    for (int64_t i = 0; i < w; i += kLanes) store8(tree + i, load8(tree + i) + load8(tree + i + w));
+  }
+  const f32x8 a = load8(tree);
+  const f32x8 a4 = a + __builtin_shuffle(a, (i32x8){4, 5, 6, 7, 4, 5, 6, 7});
+  const f32x8 a2 = a4 + __builtin_shuffle(a4, (i32x8){2, 3, 2, 3, 2, 3, 2, 3});
+  return a2[0] + a2[1];
+}
+
+// The record of block e (B values, `valid` of them real, zeros past them). keys and tree
+// are scratch of B entries each.
+inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* record, uint32_t* keys,
+                         float* tree) {
+  uint8_t* bitmap = record + kScaleBytes;
+  uint8_t* signs = bitmap + B / 8;
+  const int64_t sign_bytes = B / 16;
+  uint32_t mbits = 0;
+  for (int64_t j = 0; j < B; ++j) {
+    keys[j] = magnitude_key(e[j]);
+    mbits = keys[j] > mbits ? keys[j] : mbits;
+  }
+  if (mbits >= 0x7F800000u) {
+    const float m = canonical_nan();
+    std::memcpy(record, &m, sizeof(float));
+    std::memset(bitmap, 0, (size_t)(B / 8 + sign_bytes));
+    return;
+  }
+  const float pre = sparse_pre(bits_float(mbits));
+  for (int64_t j = 0; j < B; ++j) {
+    const float a = bits_float(keys[j]) * pre;
+    tree[j] = a * a;
+  }
+  const float t = dead_zone(tree_sum(tree, B), valid);
+  int64_t over = 0;
+  for (int64_t j = 0; j < B; ++j) over += bits_float(keys[j]) * pre > t;
+  // Past the cap: keep keys above the cap-th largest key v, and the first `ties` equal to it.
+  // v is the cap-th largest of the `over` keys above t (tree is free until the kept pass).
+  const int64_t cap = sparse_cap(B);
+  const bool capped = over > cap;
+  uint32_t v = 0;
+  int64_t ties = 0;
+  if (capped) {
+    uint32_t* cand = reinterpret_cast<uint32_t*>(tree);
+    int64_t c = 0;
+    for (int64_t j = 0; j < B; ++j) {
+      cand[c] = keys[j];
+      c += bits_float(keys[j]) * pre > t;
+    }
+    std::nth_element(cand, cand + cap - 1, cand + over, std::greater<uint32_t>());
+    v = cand[cap - 1];
+    int64_t above = 0;
+    for (int64_t j = 0; j < B; ++j) above += keys[j] > v;
+    ties = cap - above;
+  }
+  // Word by word: the bitmap word, the kept |e| into tree, the kept signs appended to `run`.
+  uint64_t run = 0;
+  int held = 0;
+  int64_t count = 0, written = 0;
+  for (int64_t j0 = 0; j0 < B; j0 += kWordBits) {
+    uint32_t keep = 0, neg = 0;
+    for (int k = 0; k < kWordBits; ++k) {
+      const uint32_t key = keys[j0 + k];
+      const float a = bits_float(key) * pre;
+      bool kk = a > t;
+      if (capped) {
+        const bool eq = key == v;
+        kk = key > v || (eq && ties > 0);
+        ties -= eq;
+      }
+      keep |= (uint32_t)kk << k;
+      neg |= (uint32_t)(e[j0 + k] < 0.0f) << k;
+      tree[j0 + k] = kk ? a : 0.0f;
+    }
+    std::memcpy(bitmap + j0 / 8, &keep, sizeof(keep));
+    const int c = __builtin_popcount(keep);
+    run |= (uint64_t)gather_bits(neg, keep) << held;
+    held += c;
+    count += c;
+    if (held >= 32) {
+      const uint32_t out = (uint32_t)run;
+      std::memcpy(signs + written, &out, sizeof(out));
+      written += 4;
+      run >>= 32;
+      held -= 32;
+    }
+  }
+  for (; held > 0; held -= 8, run >>= 8) signs[written++] = (uint8_t)run;
+  if (written < sign_bytes) std::memset(signs + written, 0, (size_t)(sign_bytes - written));
+  const float m = canonical(sparse_magnitude(tree_sum(tree, B), count, pre));
+  std::memcpy(record, &m, sizeof(float));
+}
+
+// 32 sign bits from bit s of a sign area of `bytes` bytes; bits past it read 0 (positive).
+LANES_INLINE uint32_t sign_window(const uint8_t* signs, int64_t bytes, int64_t s) {
+  const int64_t at = s >> 3;
+  uint64_t w = 0;
+  if (at + 8 <= bytes) {
+    std::memcpy(&w, signs + at, sizeof(w));
+  } else {
+    for (int64_t b = at; b < bytes; ++b) w |= (uint64_t)signs[b] << (8 * (b - at));
+  }
+  return (uint32_t)(w >> (s & 7));
+}
+
+// acc[j] = acc[j] + (element j's value), j < valid, for the record of a block of B: one
+// bitmap word a step, its values selected lane by lane from m, -m and m * 0.
+inline void sparse_add(const uint8_t* record, int64_t B, int64_t valid, float* acc) {
+  float m;
+  std::memcpy(&m, record, sizeof(float));
+  const uint8_t* bitmap = record + kScaleBytes;
+  const uint8_t* signs = bitmap + B / 8;
+  const int64_t sign_bytes = B / 16;
+  const float zero = sparse_value(false, false, m);
+  const u32x8 mb = (u32x8){} + float_bits(m), zb = (u32x8){} + float_bits(zero);
+  const u32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  int64_t s = 0;
+  const int64_t words = valid / kWordBits;
+  for (int64_t q = 0; q < words; ++q) {
+    uint32_t bits;
+    std::memcpy(&bits, bitmap + 4 * q, sizeof(bits));
+    const uint32_t neg = spread_bits(sign_window(signs, sign_bytes, s), bits);
+    s += __builtin_popcount(bits);
+    for (int sub = 0; sub < kWordBits / kLanes; ++sub) {
+      const u32x8 kept = (((u32x8){} + (bits >> (kLanes * sub))) >> lane) & 1u;
+      const u32x8 negative = (((u32x8){} + (neg >> (kLanes * sub))) >> lane) & 1u;
+      const u32x8 value = kept != 0u ? mb ^ (negative << 31) : zb;
+      float* a = acc + kWordBits * q + kLanes * sub;
+      store8(a, load8(a) + (f32x8)value);
+    }
+  }
+  for (int64_t j = words * kWordBits; j < valid; ++j) {
+    const bool kept = (bitmap[j >> 3] >> (j & 7)) & 1u;
+    const bool negative = kept && ((sign_window(signs, sign_bytes, s) & 1u) != 0u);
+    s += kept;
+    acc[j] = acc[j] + sparse_value(kept, negative, m);
+  }
+}
+
+// Block size of a q1.5 record of `rec` bytes.
+inline int64_t sparse_block(int64_t rec) { return (rec - kScaleBytes) * 16 / 3; }
+
+// sum_rows for q1.5 records (same contract): dst accumulates the row sum in place.
+template <SumTo kTo>
+void sparse_sum_rows(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t blk, int64_t rec,
+                     int64_t valid, const Divide& d, const float* res, float* dst, float* e) {
+  const int64_t B = sparse_block(rec);
+  for (int64_t j = 0; j < valid; ++j) dst[j] = 0.0f;
+  for (int64_t r = 0; r < rows; ++r) sparse_add(in + r * row_bytes + blk * rec, B, valid, dst);
+  for (int64_t j = 0; j < valid; ++j) {
+    if constexpr (kTo == SumTo::kResult) {
+      dst[j] = canonical(d(dst[j]));
+    } else if constexpr (kTo == SumTo::kScaled) {
+      dst[j] = canonical(canonical(d(dst[j])) * res[j]);
+    } else if constexpr (kTo == SumTo::kRequant) {
+      const float S = res != nullptr ? dst[j] + res[j] : dst[j];
+      dst[j] = S;
+      e[j] = d(S);
+    }
+  }
+}
+
+// Error feedback after encoding, as update_residual: res[j] = canonical(s[j] - scale * deq[j]).
+inline void sparse_residual(const uint8_t* record, int64_t B, const float* s, float scale,
+                            int64_t valid, float* res) {
+  for (int64_t j = 0; j < valid; ++j) res[j] = 0.0f;
+  sparse_add(record, B, valid, res);  // res = 0 + deq: deq itself (never -0)
+  for (int64_t j = 0; j < valid; ++j) {
+    res[j] = canonical(scale == 1.0f ? s[j] - res[j] : s[j] - scale * res[j]);
+  }
+}

@@ -1,0 +1,162 @@
+"""q1.5's code (ops bits=3, csrc/numerics.h): bitwise against the oracle on every device,
+and what the code promises, checked without the reference: which elements are kept, the
+cap, the magnitude, scale invariance, non-finite blocks, malformed payloads, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddpcomm import compressors, ops
+from tests.cuda_utils import DTYPES, assert_same_bits, oracle
+from tests.test_ops_quantize import (
+    _input,
+    check_dequantize,
+    check_quantize,
+    check_requantize,
+    gradient_like,
+    random_payload_rows,
+)
+
+Q15 = ops.SPARSE_BITS
+
+
+def _decode(x: torch.Tensor, block: int) -> torch.Tensor:
+    return ops.dequantize(ops.quantize(x, None, Q15, block), x.numel(), Q15, block, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [0, 1, 255, 257, 4096 + 7, 278011])
+def test_quantize_matches_reference(device, n, dtype):
+    x = _input(n, dtype)
+    for block in (32, 256, 512):
+        for ef in (False, True):
+            check_quantize(device, x, Q15, block, ef=ef, stochastic=False)
+
+
+@pytest.mark.parametrize("block", [64, 1024, 8192, 65536])
+def test_block_sizes_and_gradient_like_values(device, block):
+    for n in (block - 1, 3 * block + 5, 2 * 65536 + 9):
+        check_quantize(
+            device, gradient_like(n, torch.float32, n), Q15, block, ef=True, stochastic=False
+        )
+
+
+def test_sum_requantize_and_arbitrary_payloads_match_reference(device):
+    for n in (0, 999, 2**16 + 5):
+        rows = torch.stack(
+            [ops.quantize(_input(n, torch.float32, s), None, Q15, 128) for s in range(3)]
+        )
+        for ef in (False, True):
+            check_requantize(device, rows, n, Q15, 128, 3, ef=ef, stochastic=False)
+        # Random bytes: bitmaps with more set bits than the record has signs for.
+        for p in random_payload_rows(2, n, Q15, 128, n) if n else ():
+            for dtype in DTYPES:
+                check_dequantize(device, p, n, Q15, 128, dtype)
+        got = ops.dequantize_sum(rows.to(device), n, Q15, 128, 3, torch.float32)
+        assert_same_bits(got, oracle(device).dequantize_sum(rows, n, Q15, 128, 3, torch.float32))
+
+
+def test_kept_elements_are_the_dead_zone_and_m_their_mean_abs():
+    g = torch.Generator().manual_seed(3)
+    x = torch.distributions.StudentT(3.0).sample((512,)) * 0.01  # heavy-tailed: no cap
+    x = x.float()
+    t = 0.675 * float(x.double().square().mean().sqrt())
+    keep = x.abs() > t
+    assert 0 < int(keep.sum()) <= 256
+    d = _decode(x, 512)
+    assert torch.equal(d != 0, keep)
+    m = float(x.abs()[keep].double().mean())
+    assert torch.allclose(
+        d[keep].abs().double(), torch.full((int(keep.sum()),), m, dtype=torch.float64), rtol=1e-6
+    )
+    assert torch.equal(torch.sign(d[keep]), torch.sign(x[keep]))
+    del g
+
+
+def test_the_cap_keeps_the_largest_half_ties_to_the_lower_index():
+    # Uniform magnitudes in [1, 2): far more than half exceed 0.675 RMS.
+    x = torch.rand(512, generator=torch.Generator().manual_seed(1)) + 1.0
+    x[::3] *= -1
+    d = _decode(x, 512)
+    assert int((d != 0).sum()) == 256
+    assert torch.equal(d != 0, x.abs() >= x.abs().sort(descending=True).values[255])
+    # A constant block: all tie, the first half is sent.
+    d = _decode(torch.full((1000,), 0.5), 512)
+    assert torch.equal(d[:256], torch.full((256,), 0.5)) and not d[256:512].any()
+    assert torch.equal(d[512:768], torch.full((256,), 0.5)) and not d[768:].any()
+
+
+def test_error_feedback_keeps_what_was_not_sent():
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(2))
+    r = torch.zeros(4096)
+    p = ops.quantize(x, r, Q15, 512)
+    d = ops.dequantize(p, 4096, Q15, 512, torch.float32)
+    assert torch.equal(d + r, x) or torch.allclose(d + r, x, rtol=0, atol=1e-6)
+    assert float((x - d).norm() / x.norm()) < 0.5  # 0.44 for Gaussian blocks
+
+
+@pytest.mark.parametrize("exponent", [-100, -70, 70, 100])
+def test_scale_invariant_down_to_tiny_and_up_to_huge(exponent):
+    x = _input(3000, torch.float32, 4)
+    scaled = x * 2.0**exponent
+    a, b = ops.quantize(x, None, Q15, 256), ops.quantize(scaled, None, Q15, 256)
+    rec = 4 + 256 * 3 // 16
+    ra, rb = a.view(-1, rec), b.view(-1, rec)
+    assert torch.equal(ra[:, 4:], rb[:, 4:])  # the same elements kept, the same signs
+    ma, mb = ra[:, :4].clone().view(torch.float32), rb[:, :4].clone().view(torch.float32)
+    assert torch.allclose(mb.double() * 2.0**-exponent, ma.double(), rtol=2e-7, atol=0)
+
+
+def test_non_finite_blocks_decode_to_nan_and_leave_others_alone():
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(5))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[700] = bad
+        d = _decode(y, 512)
+        assert d[512:].isnan().all()
+        assert torch.equal(d[:512], _decode(x, 512)[:512])
+
+
+def test_payload_size_and_kept_share():
+    n = 512 * 64
+    p = ops.quantize(torch.randn(n), None, Q15, 512)
+    assert p.numel() == ops.payload_bytes(n, Q15, 512) == 64 * (4 + 96)
+    assert compressors.parse("q1.5").record_bytes == 100
+    kept = float((_decode(torch.randn(n), 512) != 0).float().mean())
+    assert 0.45 < kept <= 0.5  # Gaussian blocks: about half exceed 0.675 sigma, capped at half
+
+
+def test_stochastic_rounding_is_refused(device):
+    x = torch.randn(100, device=device)
+    with pytest.raises(RuntimeError, match="stochastic rounding is not defined for the 1.5-bit"):
+        ops.quantize(x, None, Q15, 64, stochastic=True)
+    rows = ops.quantize(x, None, Q15, 64).view(1, -1)
+    with pytest.raises(RuntimeError, match="stochastic rounding is not defined for the 1.5-bit"):
+        ops.dequantize_sum_requantize(rows, None, 100, Q15, 64, 1, stochastic=True)
+    with pytest.raises(RuntimeError, match="stochastic rounding is not defined for the 1.5-bit"):
+        torch.ops.ddpcomm.quantize_into(
+            x,
+            None,
+            torch.empty(ops.payload_bytes(100, Q15, 64), dtype=torch.uint8, device=device),
+            Q15,
+            64,
+            True,
+            0,
+            0,
+            0,
+        )
+    with pytest.raises(ValueError, match="stochastic rounding is not defined for q1.5"):
+        compressors.parse("q1.5", stochastic=True)
+
+
+def test_spec_defaults():
+    q = compressors.parse("q1.5")
+    assert (q.bits, q.code, q.block_size, q.error_feedback, q.spec) == (1.5, Q15, 512, True, "q1.5")
+    assert compressors.parse("q1.5,block_size=256").block_size == 256
+    assert compressors.resolve_normalize(q, True).normalize == compressors.TERNARY_NORMALIZE
+    assert compressors.default_schedule(q) == compressors.LOW_BIT_SCHEDULE
+    assert [s.spec for s in compressors.ramp_stages(q)] == ["q8", "q4", "q2"]
+    assert q.wire_bytes(512 * 10, 2) == 10 * 100
+    with pytest.raises(ValueError, match="bits must be one of 1, 1.5, 2, 4, 8"):
+        compressors.Quantizer(3)
