@@ -423,6 +423,8 @@ CONFIGS = [
     ("q4", dict(algorithm="two_phase", stochastic=True, error_feedback=True, seed=3)),
     ("q2", dict(block_size=64)),
     ("q1", dict(block_size=1024, algorithm="all_gather")),
+    ("q1.5", dict()),
+    ("q1.5", dict(block_size=64, algorithm="two_phase")),
     ("topk:0.05", dict()),
     ("topk:0.05", dict(approximate=True, value_dtype=torch.float16)),
     ("randk:0.05", dict(seed=5)),

@@ -22,7 +22,7 @@ namespace cuda {
 enum class FloatType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 // ---------------------------------------------------------------------------------------
-// Quantizer family (payload layout: csrc/numerics.h). bits in {1, 2, 4, 8}; block_size a
+// Quantizer family (payload layout: csrc/numerics.h). bits in {1, 2, 4, 8, 3}; block_size a
 // power of two in [32, 65536]. Inputs and outputs may have any alignment (aligned ones take
 // the vector paths).
 // ---------------------------------------------------------------------------------------
@@ -70,6 +70,15 @@ cudaError_t launch_dequantize_sum(const PayloadRows& p, int64_t divisor, const f
 cudaError_t launch_dequantize_sum_requantize(const PayloadRows& p, float* residual, int64_t divisor,
                                              bool stochastic, uint64_t rng_key, int64_t rng_offset,
                                              uint8_t* out, void* workspace, cudaStream_t stream);
+
+// q1.5's code (bits = kSparseBits; ternary_kernels.cu), which the launchers above hand their
+// calls to: deterministic rounding only; its encode workspace holds the staged values.
+int64_t sparse_workspace_bytes(int64_t numel, int64_t block_size);
+cudaError_t launch_sparse_quantize(const QuantizeArgs& a, void* workspace, cudaStream_t stream);
+cudaError_t launch_sparse_dequantize_sum(const PayloadRows& p, int64_t divisor, const float* scale,
+                                         void* out, FloatType out_type, cudaStream_t stream);
+cudaError_t launch_sparse_requantize(const PayloadRows& p, float* residual, int64_t divisor,
+                                     uint8_t* out, void* workspace, cudaStream_t stream);
 
 // ---------------------------------------------------------------------------------------
 // Multi-tensor flatten family (csrc/flatten.h). Entry i of `count` occupies flat bytes

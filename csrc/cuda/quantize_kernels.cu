@@ -783,6 +783,7 @@ PayloadView payload_view(const PayloadRows& p) {
 }  // namespace
 
 int64_t encode_workspace_bytes(int64_t numel, int bits, int64_t block_size, bool stochastic) {
+  if (bits == kSparseBits) return sparse_workspace_bytes(numel, block_size);
   if (!valid_bits_block(bits, block_size) || numel <= 0) return 0;
   EncodeParams p;
   const int64_t ctas = encode_params(numel, bits, block_size, stochastic, 0, 0, nullptr, false, p);
@@ -790,6 +791,7 @@ int64_t encode_workspace_bytes(int64_t numel, int bits, int64_t block_size, bool
 }
 
 cudaError_t launch_quantize(const QuantizeArgs& a, void* workspace, cudaStream_t stream) {
+  if (a.bits == kSparseBits) return launch_sparse_quantize(a, workspace, stream);
   if (!valid_bits_block(a.bits, a.block_size) || a.numel < 0) return cudaErrorInvalidValue;
   if (a.numel == 0) return cudaSuccess;
   EncodeParams p;
@@ -809,6 +811,9 @@ cudaError_t launch_quantize(const QuantizeArgs& a, void* workspace, cudaStream_t
 
 cudaError_t launch_dequantize_sum(const PayloadRows& p, int64_t divisor, const float* scale,
                                   void* out, FloatType out_type, cudaStream_t stream) {
+  if (p.bits == kSparseBits) {
+    return launch_sparse_dequantize_sum(p, divisor, scale, out, out_type, stream);
+  }
   if (!valid_bits_block(p.bits, p.block_size) || p.numel < 0 || p.rows < 0 || divisor < 1) {
     return cudaErrorInvalidValue;
   }
@@ -832,6 +837,10 @@ cudaError_t launch_dequantize_sum_requantize(const PayloadRows& rows, float* res
                                              int64_t divisor, bool stochastic, uint64_t rng_key,
                                              int64_t rng_offset, uint8_t* out, void* workspace,
                                              cudaStream_t stream) {
+  if (rows.bits == kSparseBits) {
+    if (stochastic) return cudaErrorInvalidValue;
+    return launch_sparse_requantize(rows, residual, divisor, out, workspace, stream);
+  }
   if (!valid_bits_block(rows.bits, rows.block_size) || rows.numel < 0 || rows.rows < 0 ||
       divisor < 1) {
     return cudaErrorInvalidValue;
