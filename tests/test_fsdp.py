@@ -157,7 +157,7 @@ def check_error_feedback(rank, world):
     every residual reset; async_op returns a Work; the stats keys."""
     res = {}
     n = 3 * BLOCK + 7
-    for spec in ("q2", "q1", "topk:0.1", "randk:0.2"):
+    for spec in ("q2", "q1.5", "q1", "topk:0.1", "randk:0.2"):
         comm = ReduceScatter(spec, **({"block_size": BLOCK} if spec[0] == "q" else {}))
         outs, ins = 0, 0
         for step in range(3):
@@ -457,7 +457,7 @@ def test_lossy_within_analytic_bound(world):
 
 def test_error_feedback_and_nonfinite(world):
     for r in results(world, "check_error_feedback"):
-        for spec in ("q2", "q1", "topk:0.1", "randk:0.2"):
+        for spec in ("q2", "q1.5", "q1", "topk:0.1", "randk:0.2"):
             # Up to float rounding of three steps' sums.
             assert r[f"ef invariant {spec}"] <= 1e-5 * r[f"ef scale {spec}"], spec
         assert r["bf16 residual"]
