@@ -156,7 +156,7 @@ def test_spec_defaults():
     assert compressors.parse("q1.5,block_size=256").block_size == 256
     assert compressors.resolve_normalize(q, True).normalize == compressors.TERNARY_NORMALIZE
     assert compressors.default_schedule(q) == compressors.LOW_BIT_SCHEDULE
-    assert [s.spec for s in compressors.ramp_stages(q)] == ["q8", "q4", "q2"]
+    assert [s.spec for s in compressors.ramp_stages(q)] == ["q8", "q4"]
     assert q.wire_bytes(512 * 10, 2) == 10 * 100
     with pytest.raises(ValueError, match="bits must be one of 1, 1.5, 2, 4, 8"):
         compressors.Quantizer(3)
