@@ -489,7 +489,7 @@ class ReduceScatter(_TorchReduceScatter):
     """A torch FSDP2 ``ReduceScatter`` comm that compresses the gradient reduce-scatter.
 
     Args:
-        compression: a spec string (``"q8"``, ``"q4"``, ``"q2"``, ``"q1"``,
+        compression: a spec string (``"q8"``, ``"q4"``, ``"q2"``, ``"q1.5"``, ``"q1"``,
             ``"topk:0.01"``, ``"randk:0.01"``, ``"fp16"``, ``"bf16"``, ``"none"``), a
             compressor, or an ``FSDPCompressionState`` to share (then no options).
         name: the key of this comm's residuals and step counter in the state (and its

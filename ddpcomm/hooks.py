@@ -50,9 +50,9 @@ class CompressionState:
     """State of ``compress_hook``: the method plus what it remembers across steps.
 
     Args:
-        compression: a spec string (``"q8"``, ``"q4"``, ``"q2"``, ``"q1"``, ``"topk:0.01"``,
-            ``"randk:0.01"``, ``"fp16"``, ``"bf16"``, ``"none"``) or a compressor object
-            from ``ddpcomm.compressors``.
+        compression: a spec string (``"q8"``, ``"q4"``, ``"q2"``, ``"q1.5"``, ``"q1"``,
+            ``"topk:0.01"``, ``"randk:0.01"``, ``"fp16"``, ``"bf16"``, ``"none"``) or a
+            compressor object from ``ddpcomm.compressors``.
         start_iter: iterations (backward passes) before this one use a plain all_reduce:
             the full-precision warm-up. Lets DDP settle its bucket layout and the model
             (and Adam's moments) leave its first, large-gradient steps before compression

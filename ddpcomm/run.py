@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--compression",
-        help="spec string: q8, q4, q2, q1, topk:R, randk:R, ..., optionally with options "
+        help="spec string: q8, q4, q2, q1.5, q1, topk:R, randk:R, ..., optionally with options "
         "after commas (q8,block_size=64); append ',adaptive' to send plain where "
         "compression does not pay",
     )

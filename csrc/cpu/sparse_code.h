@@ -28,18 +28,6 @@ LANES_INLINE uint32_t spread_bits(uint32_t x, uint32_t mask) {
 #endif
 }
 
-// numerics.h block_tree_sum of tree[0, B) (B >= 16), 8 lanes at a time down to 8 values,
-// then within one vector, as abs_tree_sum.
-LANES_INLINE float tree_sum(float* tree, int64_t B) {
-  for (int64_t w = B / 2; w >= kLanes; w /= 2) {
-    for (int64_t i = 0; i < w; i += kLanes) store8(tree + i, load8(tree + i) + load8(tree + i + w));
-  }
-  const f32x8 a = load8(tree);
-  const f32x8 a4 = a + __builtin_shuffle(a, (i32x8){4, 5, 6, 7, 4, 5, 6, 7});
-  const f32x8 a2 = a4 + __builtin_shuffle(a4, (i32x8){2, 3, 2, 3, 2, 3, 2, 3});
-  return a2[0] + a2[1];
-}
-
 // The record of block e (B values, `valid` of them real, zeros past them). keys and tree
 // are scratch of B entries each.
 inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* record, uint32_t* keys,
