@@ -79,8 +79,12 @@ DDPC_HD int64_t code_bytes_per_block(int64_t block, int bits) {
   return bits == kSparseBits ? block * 3 / 16 : block * bits / 8;
 }
 
+// q1.5's records carry their magnitude as bfloat16 (sparse_m_bits, below).
+constexpr int kSparseScaleBytes = 2;
+
 DDPC_HD int64_t record_bytes(int64_t block, int bits) {
-  return kScaleBytes + code_bytes_per_block(block, bits);
+  return (bits == kSparseBits ? kSparseScaleBytes : kScaleBytes) +
+         code_bytes_per_block(block, bits);
 }
 
 DDPC_HD int64_t payload_bytes(int64_t numel, int64_t block, int bits) {
@@ -253,8 +257,8 @@ DDPC_HD float block_tree_sum(float* buf, int64_t block) {
 // ---------------------------------------------------------------------------------------
 // q1.5: a ternary code with a dead zone, sent as a bitmap and signs (ops' bits = 3).
 //
-// Record of a block of B values (B >= 32, a power of two), 4 + 3B/16 bytes:
-//   [ float32 m ][ B/8 bitmap bytes ][ B/16 sign bytes ]
+// Record of a block of B values (B >= 32, a power of two), 2 + 3B/16 bytes:
+//   [ bfloat16 m ][ B/8 bitmap bytes ][ B/16 sign bytes ]
 // Bit j of the bitmap (LSB first) is set when element j is kept; the kept elements' signs
 // follow in element order, one bit each (1 = negative) from the first sign byte's LSB, room
 // for B/2 of them, the rest zero. Element j decodes to m * k with k = +-1 if kept, else 0:
@@ -277,10 +281,14 @@ constexpr float kDeadZone = 0.675f;
 
 DDPC_HD int64_t sparse_cap(int64_t block) { return block / 2; }
 
-// Scale for a block whose largest |e| is absmax (finite): 2^-64 from 2^60 up, 2^64 below
-// 2^-60, else 1; e * pre and 1 / pre are exact.
+// Scale for a block whose largest |e| is absmax (finite): pre = 2^-k for 2^k <= absmax <
+// 2^(k+1), k clamped to [-126, 126], so e * pre is exact and below 2: squares, and their sum
+// over any block (below 4 * 65536), neither overflow nor vanish for elements within 2^-60
+// of absmax. 1 / pre = 2^k is exact too.
 DDPC_HD float sparse_pre(float absmax) {
-  return absmax >= 0x1p60f ? 0x1p-64f : (absmax < 0x1p-60f ? 0x1p64f : 1.0f);
+  int k = (int)(float_bits(absmax) >> 23) - 127;  // a denormal or 0 absmax: -127
+  k = k < -126 ? -126 : (k > 126 ? 126 : k);
+  return bits_float((uint32_t)(127 - k) << 23);
 }
 
 // Dead-zone threshold in pre-scaled units, from the tree sum of (e * pre)^2.
@@ -292,6 +300,19 @@ DDPC_HD float dead_zone(float sum_squares, int64_t valid) {
 DDPC_HD float sparse_magnitude(float kept_sum, int64_t count, float pre) {
   return count == 0 ? 0.0f : (kept_sum / (float)count) * (1.0f / pre);
 }
+
+// m (>= 0, or NaN) on the wire: bfloat16, rounded to nearest even (a relative error up to
+// 2^-9, which error feedback keeps), saturated at bfloat16's largest finite value where it
+// would round to Inf (a mean of values near FLT_MAX can), a NaN as the canonical bfloat16
+// NaN. Two bytes a block, not four: 0.031 bits per element at B = 512. Encoding, decoding
+// and the residual all use sparse_m_value of these bits.
+DDPC_HD uint16_t sparse_m_bits(float m) {
+  if (is_nan(m)) return kCanonicalNanBF16;
+  const uint32_t u = float_bits(m);
+  return (uint16_t)(u >= 0x7F7F8000u ? 0x7F7Fu : (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+DDPC_HD float sparse_m_value(uint16_t bits) { return bits_float((uint32_t)bits << 16); }
 
 // Element j's value: bitmap bit `kept`, sign bit `negative`.
 DDPC_HD float sparse_value(bool kept, bool negative, float m) {

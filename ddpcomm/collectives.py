@@ -274,7 +274,7 @@ def _quantized_all_gather(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) 
     if residual is None:
         return done
     # Every rank sees every payload, so all agree on whether the step was finite.
-    return then(done, lambda f: _reset_unless(ctx, _magnitudes_finite(gathered, rec), f))
+    return then(done, lambda f: _reset_unless(ctx, _magnitudes_finite(gathered, rec, q.code), f))
 
 
 def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -> Future:
@@ -424,7 +424,7 @@ def _quantized_two_phase(flat: torch.Tensor, q: Quantizer, ctx: ReduceContext) -
     if not q.error_feedback:
         return done
     # Every rank decodes every record, so all agree on whether the step was finite.
-    return then(done, lambda f: _reset_unless(ctx, _magnitudes_finite(gathered, rec), f))
+    return then(done, lambda f: _reset_unless(ctx, _magnitudes_finite(gathered, rec, q.code), f))
 
 
 def _scale(ctx: ReduceContext, e0: int, e1: int) -> torch.Tensor | None:
@@ -442,10 +442,9 @@ def _stream_seed(seed: int, key) -> int:
     return (seed * 0x9E3779B1 + (_bucket_int(key) & 0xFFFFFFFF)) & (2**63 - 1)
 
 
-def _magnitudes_finite(payloads: torch.Tensor, record_bytes: int) -> torch.Tensor:
+def _magnitudes_finite(payloads: torch.Tensor, record_bytes: int, bits: int) -> torch.Tensor:
     """A 0-dim device bool: whether every block magnitude in the packed records is finite."""
-    m = payloads.view(-1, record_bytes)[:, :4].contiguous().view(torch.float32)
-    return torch.isfinite(m).all()
+    return torch.isfinite(ops.magnitudes(payloads, record_bytes, bits)).all()
 
 
 def _reset_unless(ctx: ReduceContext, finite: torch.Tensor, fut: Future) -> torch.Tensor:

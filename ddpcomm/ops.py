@@ -52,14 +52,29 @@ def build_info() -> dict:
 
 
 # The ``bits`` the quantizer ops take for q1.5's code (numerics.h kSparseBits): its records
-# hold 3/16 of a byte per element. No 3-bit code exists.
+# hold 3/16 of a byte per element and a bfloat16 magnitude. No 3-bit code exists.
 SPARSE_BITS = 3
 
 
 def payload_bytes(numel: int, bits: int, block_size: int) -> int:
     """Bytes of the packed payload for ``numel`` values (csrc/numerics.h layout)."""
-    codes = block_size * 3 // 16 if bits == SPARSE_BITS else block_size * bits // 8
-    return (numel + block_size - 1) // block_size * (4 + codes)
+    if bits == SPARSE_BITS:
+        record = 2 + block_size * 3 // 16
+    else:
+        record = 4 + block_size * bits // 8
+    return (numel + block_size - 1) // block_size * record
+
+
+def magnitude_dtype(bits: int) -> torch.dtype:
+    """How a record stores its block magnitude: float32, or bfloat16 for q1.5."""
+    return torch.bfloat16 if bits == SPARSE_BITS else torch.float32
+
+
+def magnitudes(records: torch.Tensor, record_bytes: int, bits: int) -> torch.Tensor:
+    """The block magnitudes at the head of each record of ``records`` (uint8, whole
+    records), as a view."""
+    dtype = magnitude_dtype(bits)
+    return records.view(-1, record_bytes)[:, : dtype.itemsize].view(dtype)
 
 
 def divisor(n: int, like: torch.Tensor):

@@ -189,9 +189,10 @@ def _quantized(output, input, q: Quantizer, ctx, residual, divisor, factor):
                 ops.quantize(
                     inputs[i], r, bits, block, q.stochastic, seed, ctx.step, offset, out=out
                 )
-        # A block holding NaN/Inf has a non-finite magnitude (its first 4 bytes).
-        first = send.view(world, size)[:, :4].view(torch.float32)
-        _poison(first, _magnitudes_finite(send, rec))
+        # A block holding NaN/Inf has a non-finite magnitude (at the head of its record).
+        dtype = ops.magnitude_dtype(bits)
+        first = send.view(world, size)[:, : dtype.itemsize].view(dtype)
+        _poison(first, _magnitudes_finite(send, rec, bits))
     ctx.stats.record("q_reduce_scatter", (world - 1) * size, _dense_bytes(output, world))
     _exchange(received, send, ctx)
     rows = received.view(world, size)
@@ -200,7 +201,7 @@ def _quantized(output, input, q: Quantizer, ctx, residual, divisor, factor):
         ops.dequantize_sum(rows, n, bits, block, d, out.dtype, out=out)
 
     _write(output, divisor, factor, ctx, decode)
-    return _magnitudes_finite(received, rec)
+    return _magnitudes_finite(received, rec, bits)
 
 
 def _topk(output, input, c: TopK, ctx, residual, divisor, factor):

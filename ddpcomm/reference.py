@@ -96,12 +96,14 @@ def max_level(bits: int) -> int:
 SPARSE_BITS = 3  # ops' bits for q1.5's code (numerics.h kSparseBits)
 
 
-def _code_bytes(bits: int, block_size: int) -> int:
-    return block_size * 3 // 16 if bits == SPARSE_BITS else block_size * bits // 8
+def _record_bytes(bits: int, block_size: int) -> int:
+    if bits == SPARSE_BITS:
+        return 2 + block_size * 3 // 16  # a bfloat16 magnitude
+    return 4 + block_size * bits // 8
 
 
 def payload_bytes(numel: int, bits: int, block_size: int) -> int:
-    return math.ceil(numel / block_size) * (4 + _code_bytes(bits, block_size))
+    return math.ceil(numel / block_size) * _record_bytes(bits, block_size)
 
 
 def _tree_sum(a: torch.Tensor) -> torch.Tensor:
@@ -192,10 +194,9 @@ def _sparse_kept(e: torch.Tensor, valid: torch.Tensor):
     a = e.abs()
     finite = torch.isfinite(e).all(1)
     absmax = torch.where(finite, a.amax(1), torch.zeros(nb))
-    one = torch.ones(nb)
-    pre = torch.where(
-        absmax >= 2.0**60, one * 2.0**-64, torch.where(absmax < 2.0**-60, one * 2.0**64, one)
-    )
+    # numerics.h sparse_pre: 2^-k for 2^k <= absmax < 2^(k+1), k in [-126, 126].
+    k = ((absmax.view(torch.int32) >> 23) - 127).clamp(-126, 126)
+    pre = ((127 - k) << 23).to(torch.int32).view(torch.float32)
     ap = a * pre[:, None]
     t = torch.tensor(DEAD_ZONE, dtype=torch.float32) * torch.sqrt(
         _tree_sum(ap * ap) / valid.float()
@@ -212,6 +213,13 @@ def _sparse_kept(e: torch.Tensor, valid: torch.Tensor):
     return kept, torch.where(finite, m, torch.full_like(m, float("nan")))
 
 
+def _sparse_wire_m(m: torch.Tensor) -> torch.Tensor:
+    """numerics.h sparse_m_bits: m as bfloat16 (nearest even), saturated, not Inf."""
+    b = canonical(m.to(torch.bfloat16))
+    top = torch.tensor(torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16)
+    return torch.where(torch.isinf(b), top, b)
+
+
 def _sparse_values(kept: torch.Tensor, negative: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """numerics.h sparse_value for [nb, B] bitmaps and signs."""
     mm = m[:, None].expand_as(kept)
@@ -220,6 +228,8 @@ def _sparse_values(kept: torch.Tensor, negative: torch.Tensor, m: torch.Tensor) 
 
 def _sparse_encode(e, valid):
     kept, m = _sparse_kept(e, valid)
+    wire = _sparse_wire_m(m)
+    m = wire.float()
     nb, block = e.shape
     negative = e < 0
     # Sign i of a record is that of its i-th kept element.
@@ -228,16 +238,16 @@ def _sparse_encode(e, valid):
     rows = torch.arange(nb)[:, None].expand_as(kept)
     signs[rows[kept], slot[kept]] = negative[kept].int()
     packed = torch.cat(
-        [m.view(nb, 1).view(torch.uint8), _pack(kept.int(), 1), _pack(signs, 1)], dim=1
+        [wire.view(nb, 1).view(torch.uint8), _pack(kept.int(), 1), _pack(signs, 1)], dim=1
     )
     return packed.reshape(-1), _sparse_values(kept, negative & kept, m)
 
 
 def _sparse_decode(rec: torch.Tensor, block: int) -> torch.Tensor:
     nb = rec.shape[0]
-    m = rec[:, :4].reshape(-1).clone().view(torch.float32)
-    kept = _unpack(rec[:, 4 : 4 + block // 8], 1).bool()
-    signs = _unpack(rec[:, 4 + block // 8 :], 1).bool()
+    m = rec[:, :2].reshape(-1).clone().view(torch.bfloat16).float()
+    kept = _unpack(rec[:, 2 : 2 + block // 8], 1).bool()
+    signs = _unpack(rec[:, 2 + block // 8 :], 1).bool()
     slot = (torch.cumsum(kept.long(), 1) - 1).clamp(min=0)
     # Set bits past the (B/2)-th read as positive (numerics.h).
     negative = torch.gather(signs, 1, slot.clamp(max=block // 2 - 1)) & kept & (slot < block // 2)
@@ -285,7 +295,7 @@ def quantize(
 
 def _decode(packed: torch.Tensor, numel: int, bits: int, block_size: int) -> torch.Tensor:
     nb = math.ceil(numel / block_size)
-    rb = 4 + _code_bytes(bits, block_size)
+    rb = _record_bytes(bits, block_size)
     rec = packed.reshape(-1)[: nb * rb].view(nb, rb)
     if bits == SPARSE_BITS:
         return _sparse_decode(rec, block_size).reshape(-1)[:numel]

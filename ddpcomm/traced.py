@@ -266,7 +266,7 @@ def _quantized(q: Quantizer, flat, residuals: dict, param, pg, world: int) -> to
         residual = both
     if residual is not None:
         # Every rank sees every block magnitude in `gathered`, so all agree on a reset.
-        magnitudes = gathered.view(-1, q.record_bytes)[:, :4].contiguous().view(torch.float32)
+        magnitudes = ops.magnitudes(gathered, q.record_bytes, bits)
         _reset_unless(residual, magnitudes)
     return mean
 

@@ -32,7 +32,7 @@ LANES_INLINE uint32_t spread_bits(uint32_t x, uint32_t mask) {
 // are scratch of B entries each.
 inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* record, uint32_t* keys,
                          float* tree) {
-  uint8_t* bitmap = record + kScaleBytes;
+  uint8_t* bitmap = record + kSparseScaleBytes;
   uint8_t* signs = bitmap + B / 8;
   const int64_t sign_bytes = B / 16;
   uint32_t mbits = 0;
@@ -41,8 +41,8 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
     mbits = keys[j] > mbits ? keys[j] : mbits;
   }
   if (mbits >= 0x7F800000u) {
-    const float m = canonical_nan();
-    std::memcpy(record, &m, sizeof(float));
+    const uint16_t m = sparse_m_bits(canonical_nan());
+    std::memcpy(record, &m, sizeof(m));
     std::memset(bitmap, 0, (size_t)(B / 8 + sign_bytes));
     return;
   }
@@ -107,8 +107,8 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
   }
   for (; held > 0; held -= 8, run >>= 8) signs[written++] = (uint8_t)run;
   if (written < sign_bytes) std::memset(signs + written, 0, (size_t)(sign_bytes - written));
-  const float m = canonical(sparse_magnitude(tree_sum(tree, B), count, pre));
-  std::memcpy(record, &m, sizeof(float));
+  const uint16_t m = sparse_m_bits(sparse_magnitude(tree_sum(tree, B), count, pre));
+  std::memcpy(record, &m, sizeof(m));
 }
 
 // 32 sign bits from bit s of a sign area of `bytes` bytes; bits past it read 0 (positive).
@@ -126,9 +126,10 @@ LANES_INLINE uint32_t sign_window(const uint8_t* signs, int64_t bytes, int64_t s
 // acc[j] = acc[j] + (element j's value), j < valid, for the record of a block of B: one
 // bitmap word a step, its values selected lane by lane from m, -m and m * 0.
 inline void sparse_add(const uint8_t* record, int64_t B, int64_t valid, float* acc) {
-  float m;
-  std::memcpy(&m, record, sizeof(float));
-  const uint8_t* bitmap = record + kScaleBytes;
+  uint16_t mb16;
+  std::memcpy(&mb16, record, sizeof(mb16));
+  const float m = sparse_m_value(mb16);
+  const uint8_t* bitmap = record + kSparseScaleBytes;
   const uint8_t* signs = bitmap + B / 8;
   const int64_t sign_bytes = B / 16;
   const float zero = sparse_value(false, false, m);
@@ -158,7 +159,7 @@ inline void sparse_add(const uint8_t* record, int64_t B, int64_t valid, float* a
 }
 
 // Block size of a q1.5 record of `rec` bytes.
-inline int64_t sparse_block(int64_t rec) { return (rec - kScaleBytes) * 16 / 3; }
+inline int64_t sparse_block(int64_t rec) { return (rec - kSparseScaleBytes) * 16 / 3; }
 
 // sum_rows for q1.5 records (same contract): dst accumulates the row sum in place.
 template <SumTo kTo>

@@ -110,7 +110,9 @@ __device__ __forceinline__ uint32_t load_u32(const uint8_t* p) {
   return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
 
-__device__ __forceinline__ float load_f32(const uint8_t* p) { return __uint_as_float(load_u32(p)); }
+__device__ __forceinline__ float load_m(const uint8_t* p) {
+  return sparse_m_value((uint16_t)(p[0] | (p[1] << 8)));
+}
 
 // ---------------------------------------------------------------------------------------
 // Decode
@@ -131,7 +133,7 @@ __device__ void add_row_word(const SparseRows& p, int64_t r, int64_t word, CtaSc
   const int64_t blk = (word * kWord) >> p.log2_block;
   const bool live = word * kWord < p.n;
   const uint8_t* rec = p.data + r * p.row_bytes + blk * p.rec;
-  const uint8_t* bitmap = rec + kScaleBytes;
+  const uint8_t* bitmap = rec + kSparseScaleBytes;
   const int64_t wb = word - blk * words_per_block;  // word within its block
   const uint32_t bits = live ? load_u32(bitmap + 4 * wb) : 0u;
   uint32_t total;
@@ -147,7 +149,7 @@ __device__ void add_row_word(const SparseRows& p, int64_t r, int64_t word, CtaSc
     prefix -= first[threadIdx.x - (int)(wb < threadIdx.x ? wb : threadIdx.x)];
   } else {
     const int64_t blk0 = (cta_word0 * kWord) >> p.log2_block;
-    const uint8_t* rec0 = p.data + r * p.row_bytes + blk0 * p.rec + kScaleBytes;
+    const uint8_t* rec0 = p.data + r * p.row_bytes + blk0 * p.rec + kSparseScaleBytes;
     uint32_t before = 0;
     for (int64_t v = blk0 * words_per_block + threadIdx.x; v < cta_word0; v += kThreads) {
       before += (uint32_t)__popc(load_u32(rec0 + 4 * (v - blk0 * words_per_block)));
@@ -155,7 +157,7 @@ __device__ void add_row_word(const SparseRows& p, int64_t r, int64_t word, CtaSc
     prefix += cta_sum(before, s);
   }
   if (!live) return;
-  const float m = load_f32(rec);
+  const float m = load_m(rec);
   // Up to 32 sign bits from bit `prefix` of the sign area; bytes past it read 0 (positive).
   const uint8_t* signs = bitmap + B / 8;
   const int64_t sign_bytes = B / 16;
@@ -347,22 +349,24 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeArgs a) {
       tie_carry += tile_ties;
       kept_carry += tile_kept;
     }
-    m = canonical(sparse_magnitude(cta_tree_sum(tree, B), kept_carry, pre));
+    m = sparse_magnitude(cta_tree_sum(tree, B), kept_carry, pre);
   }
+  // What the record holds, and so what the residual is taken against.
+  const uint16_t mbits = sparse_m_bits(m);
+  m = sparse_m_value(mbits);
   __syncthreads();
   uint8_t* rec = a.out + blk * a.rec;
-  const uint32_t mbits = __float_as_uint(m);
   const int64_t code_bytes = B / 8 + B / 16;
-  for (int64_t b = threadIdx.x; b < kScaleBytes + code_bytes; b += kThreads) {
+  for (int64_t b = threadIdx.x; b < kSparseScaleBytes + code_bytes; b += kThreads) {
     uint32_t word;
     int64_t at;
-    if (b < kScaleBytes) {
+    if (b < kSparseScaleBytes) {
       word = mbits, at = b;
-    } else if (b < kScaleBytes + B / 8) {
-      at = b - kScaleBytes;
+    } else if (b < kSparseScaleBytes + B / 8) {
+      at = b - kSparseScaleBytes;
       word = bm[at >> 2];
     } else {
-      at = b - kScaleBytes - B / 8;
+      at = b - kSparseScaleBytes - B / 8;
       word = sg[at >> 2];
     }
     rec[b] = (uint8_t)(word >> (8 * (at & 3)));
