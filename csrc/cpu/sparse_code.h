@@ -28,6 +28,41 @@ LANES_INLINE uint32_t spread_bits(uint32_t x, uint32_t mask) {
 #endif
 }
 
+// The cap-th largest of the `over` keys above the dead zone, `keys`: the (d + 1)-th
+// smallest of them, d = over - cap. d is small where the cap binds on blocks near its
+// share (Gaussian ones: over is 256 +- 11 of 512), so a max-heap of the d + 1 smallest seen
+// finds it in one pass whose branch is rarely taken; past kHeap, nth_element.
+inline uint32_t cap_key(uint32_t* keys, int64_t over, int64_t cap) {
+  constexpr int64_t kHeap = 64;
+  const int64_t d = over - cap;
+  if (d >= kHeap) {
+    std::nth_element(keys, keys + cap - 1, keys + over, std::greater<uint32_t>());
+    return keys[cap - 1];
+  }
+  uint32_t heap[kHeap] = {};
+  int64_t size = 0;
+  for (; size <= d; ++size) {  // the first d + 1, sifted up
+    int64_t i = size;
+    for (; i > 0 && heap[(i - 1) / 2] < keys[size]; i = (i - 1) / 2) heap[i] = heap[(i - 1) / 2];
+    heap[i] = keys[size];
+  }
+  for (int64_t j = size; j < over; ++j) {
+    const uint32_t key = keys[j];
+    if (key >= heap[0]) continue;
+    int64_t i = 0;  // replace the largest, sift down
+    for (;;) {
+      int64_t c = 2 * i + 1;
+      if (c >= size) break;
+      if (c + 1 < size && heap[c + 1] > heap[c]) ++c;
+      if (heap[c] <= key) break;
+      heap[i] = heap[c];
+      i = c;
+    }
+    heap[i] = key;
+  }
+  return heap[0];
+}
+
 // The record of block e (B values, `valid` of them real, zeros past them). keys and tree
 // are scratch of B entries each.
 inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* record, uint32_t* keys,
@@ -55,20 +90,19 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
   int64_t over = 0;
   for (int64_t j = 0; j < B; ++j) over += bits_float(keys[j]) * pre > t;
   // Past the cap: keep keys above the cap-th largest key v, and the first `ties` equal to it.
-  // v is the cap-th largest of the `over` keys above t (tree is free until the kept pass).
   const int64_t cap = sparse_cap(B);
   const bool capped = over > cap;
   uint32_t v = 0;
   int64_t ties = 0;
   if (capped) {
-    uint32_t* cand = reinterpret_cast<uint32_t*>(tree);
+    // The keys above t, gathered without a branch (tree is free until the kept pass).
+    uint32_t* above_t = reinterpret_cast<uint32_t*>(tree);
     int64_t c = 0;
     for (int64_t j = 0; j < B; ++j) {
-      cand[c] = keys[j];
+      above_t[c] = keys[j];
       c += bits_float(keys[j]) * pre > t;
     }
-    std::nth_element(cand, cand + cap - 1, cand + over, std::greater<uint32_t>());
-    v = cand[cap - 1];
+    v = cap_key(above_t, over, cap);
     int64_t above = 0;
     for (int64_t j = 0; j < B; ++j) above += keys[j] > v;
     ties = cap - above;
@@ -78,19 +112,28 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
   int held = 0;
   int64_t count = 0, written = 0;
   for (int64_t j0 = 0; j0 < B; j0 += kWordBits) {
+    // Branch-free: whether an element is kept is a coin flip near the threshold.
     uint32_t keep = 0, neg = 0;
-    for (int k = 0; k < kWordBits; ++k) {
-      const uint32_t key = keys[j0 + k];
-      const float a = bits_float(key) * pre;
-      bool kk = a > t;
-      if (capped) {
-        const bool eq = key == v;
-        kk = key > v || (eq && ties > 0);
+    if (capped) {
+      for (int k = 0; k < kWordBits; ++k) {
+        const uint32_t key = keys[j0 + k], eq = key == v;
+        const uint32_t kk = (key > v) | (eq & (ties > 0));
         ties -= eq;
+        keep |= kk << k;
+        tree[j0 + k] = bits_float(key) * pre * (float)kk;  // a >= 0: a or +0
       }
-      keep |= (uint32_t)kk << k;
-      neg |= (uint32_t)(e[j0 + k] < 0.0f) << k;
-      tree[j0 + k] = kk ? a : 0.0f;
+    } else {
+      for (int sub = 0; sub < kWordBits / kLanes; ++sub) {
+        u32x8 k8;
+        std::memcpy(&k8, keys + j0 + kLanes * sub, sizeof(k8));
+        const f32x8 a = (f32x8)k8 * pre;
+        const i32x8 kept = a > t;
+        keep |= lane_mask(kept) << (kLanes * sub);
+        store8(tree + j0 + kLanes * sub, (f32x8)((i32x8)a & kept));
+      }
+    }
+    for (int sub = 0; sub < kWordBits / kLanes; ++sub) {
+      neg |= lane_mask(load8(e + j0 + kLanes * sub) < 0.0f) << (kLanes * sub);
     }
     std::memcpy(bitmap + j0 / 8, &keep, sizeof(keep));
     const int c = __builtin_popcount(keep);
@@ -123,9 +166,12 @@ LANES_INLINE uint32_t sign_window(const uint8_t* signs, int64_t bytes, int64_t s
   return (uint32_t)(w >> (s & 7));
 }
 
-// acc[j] = acc[j] + (element j's value), j < valid, for the record of a block of B: one
-// bitmap word a step, its values selected lane by lane from m, -m and m * 0.
-inline void sparse_add(const uint8_t* record, int64_t B, int64_t valid, float* acc) {
+// Calls f(j, v) for the values v of elements j .. j + 7 of the record of a block of B
+// (j < valid - valid % 32), then tail(j, value) for each element past them: one bitmap word
+// a step, its values selected lane by lane from m, -m and m * 0.
+template <class F, class Tail>
+LANES_INLINE void sparse_values(const uint8_t* record, int64_t B, int64_t valid, F&& f,
+                                Tail&& tail) {
   uint16_t mb16;
   std::memcpy(&mb16, record, sizeof(mb16));
   const float m = sparse_m_value(mb16);
@@ -145,17 +191,22 @@ inline void sparse_add(const uint8_t* record, int64_t B, int64_t valid, float* a
     for (int sub = 0; sub < kWordBits / kLanes; ++sub) {
       const u32x8 kept = (((u32x8){} + (bits >> (kLanes * sub))) >> lane) & 1u;
       const u32x8 negative = (((u32x8){} + (neg >> (kLanes * sub))) >> lane) & 1u;
-      const u32x8 value = kept != 0u ? mb ^ (negative << 31) : zb;
-      float* a = acc + kWordBits * q + kLanes * sub;
-      store8(a, load8(a) + (f32x8)value);
+      f(kWordBits * q + kLanes * sub, (f32x8)(kept != 0u ? mb ^ (negative << 31) : zb));
     }
   }
   for (int64_t j = words * kWordBits; j < valid; ++j) {
     const bool kept = (bitmap[j >> 3] >> (j & 7)) & 1u;
     const bool negative = kept && ((sign_window(signs, sign_bytes, s) & 1u) != 0u);
     s += kept;
-    acc[j] = acc[j] + sparse_value(kept, negative, m);
+    tail(j, sparse_value(kept, negative, m));
   }
+}
+
+// acc[j] = acc[j] + (element j's value), j < valid.
+inline void sparse_add(const uint8_t* record, int64_t B, int64_t valid, float* acc) {
+  sparse_values(
+      record, B, valid, [&](int64_t j, f32x8 v) { store8(acc + j, load8(acc + j) + v); },
+      [&](int64_t j, float v) { acc[j] = acc[j] + v; });
 }
 
 // Block size of a q1.5 record of `rec` bytes.
@@ -181,12 +232,15 @@ void sparse_sum_rows(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t
   }
 }
 
-// Error feedback after encoding, as update_residual: res[j] = canonical(s[j] - scale * deq[j]).
+// Error feedback after encoding, as update_residual: res[j] = canonical(s[j] - scale * deq[j]),
+// in one pass over the record.
 inline void sparse_residual(const uint8_t* record, int64_t B, const float* s, float scale,
                             int64_t valid, float* res) {
-  for (int64_t j = 0; j < valid; ++j) res[j] = 0.0f;
-  sparse_add(record, B, valid, res);  // res = 0 + deq: deq itself (never -0)
-  for (int64_t j = 0; j < valid; ++j) {
-    res[j] = canonical(scale == 1.0f ? s[j] - res[j] : s[j] - scale * res[j]);
-  }
+  sparse_values(
+      record, B, valid,
+      [&](int64_t j, f32x8 v) {
+        const f32x8 sj = load8(s + j);
+        store8(res + j, canonical8(scale == 1.0f ? sj - v : sj - scale * v));
+      },
+      [&](int64_t j, float v) { res[j] = canonical(scale == 1.0f ? s[j] - v : s[j] - scale * v); });
 }
