@@ -38,7 +38,12 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-OP_TESTS = ["tests/test_ops_sparse.py", "tests/test_ops_quantize.py", "tests/test_ops_flatten.py"]
+OP_TESTS = [
+    "tests/test_ops_sparse.py",
+    "tests/test_ops_quantize.py",
+    "tests/test_ops_ternary.py",
+    "tests/test_ops_flatten.py",
+]
 SANITIZERS = ("memcheck", "racecheck", "synccheck")
 # What each sanitizer runs: every kernel at least once, the top-k split (>= 16384) and
 # radix-select sizes among them (each 1M-element case takes seconds under a sanitizer, so
@@ -47,13 +52,13 @@ SANITIZERS = ("memcheck", "racecheck", "synccheck")
 KERNEL_CASES = (
     "paths or topk_matches_reference or topk_when_the_sample_misses or randk_matches"
     " or randk_strata_match or sparse_accumulate_matches or flatten_matches"
-    " or unflatten_into_matches"
+    " or unflatten_into_matches or block_sizes_and_gradient or sum_requantize_and_arbitrary"
 )
 SANITIZE_K = {
     "memcheck": f"cuda and ({KERNEL_CASES})",
     "synccheck": f"cuda and ({KERNEL_CASES})",
     "racecheck": "cuda and (topk_matches_reference or topk_when_the_sample_misses"
-    " or dequantize_sum_requantize_paths)",
+    " or dequantize_sum_requantize_paths or block_sizes_and_gradient)",
 }
 # Targets (issue: the CUDA path): fraction of a device copy at 256 MB; top-k against torch.
 COPY_TARGET = {"quantize:q8": 0.9, "quantize:q4": 0.9, "dequantize_sum:q8": 0.9}
