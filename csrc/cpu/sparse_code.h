@@ -115,12 +115,25 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
     // Branch-free: whether an element is kept is a coin flip near the threshold.
     uint32_t keep = 0, neg = 0;
     if (capped) {
-      for (int k = 0; k < kWordBits; ++k) {
-        const uint32_t key = keys[j0 + k], eq = key == v;
-        const uint32_t kk = (key > v) | (eq & (ties > 0));
-        ties -= eq;
-        keep |= kk << k;
-        tree[j0 + k] = bits_float(key) * pre * (float)kk;  // a >= 0: a or +0
+      // Keys above v, and of those equal to it the first `ties` left: the lowest bits of the
+      // word's equal ones (pdep of a run of ones).
+      uint32_t gt = 0, eq = 0;
+      for (int sub = 0; sub < kWordBits / kLanes; ++sub) {
+        u32x8 k8;
+        std::memcpy(&k8, keys + j0 + kLanes * sub, sizeof(k8));
+        gt |= lane_mask(k8 > v) << (kLanes * sub);
+        eq |= lane_mask(k8 == v) << (kLanes * sub);
+      }
+      const int64_t n_eq = __builtin_popcount(eq);
+      const int64_t take = ties <= 0 ? 0 : (ties < n_eq ? ties : n_eq);
+      keep = gt | spread_bits(take >= 32 ? ~0u : (1u << take) - 1u, eq);
+      ties -= n_eq;
+      const u32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+      for (int sub = 0; sub < kWordBits / kLanes; ++sub) {
+        u32x8 k8;
+        std::memcpy(&k8, keys + j0 + kLanes * sub, sizeof(k8));
+        const i32x8 kept = ((((u32x8){} + (keep >> (kLanes * sub))) >> lane) & 1u) != 0u;
+        store8(tree + j0 + kLanes * sub, (f32x8)((i32x8)((f32x8)k8 * pre) & kept));
       }
     } else {
       for (int sub = 0; sub < kWordBits / kLanes; ++sub) {
