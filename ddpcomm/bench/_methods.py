@@ -129,7 +129,7 @@ def method_list(allowed: tuple[str, ...] = ()):
 METHODS_HELP = (
     "comma-separated methods: torch's allreduce (DDP's default), torch-fp16, torch-qpt "
     "(quantization_pertensor_hook), powersgd-r1, powersgd-r4, bpowersgd-r1, bpowersgd-r4 "
-    "(batched); ddpcomm's q8, q4, q2, q1, topk:R, randk:R (R: the density), each with "
+    "(batched); ddpcomm's q8, q4, q2, q1.5, q1, topk:R, randk:R (R: the density), each with "
     "options after commas (q1,start_iter=50,ramp=100,topk:0.01; q8,adaptive for adaptive "
     "pass-through)"
 )
