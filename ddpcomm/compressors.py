@@ -140,8 +140,8 @@ class Quantizer(Compressor):
             and m is the mean ``|x|`` of those (1.5 bits per element plus the block's
             magnitude; deterministic rounding only).
         block_size: elements per scale; a power of two in [32, 65536]. Larger blocks send
-            fewer scale bytes (4 per block) but quantize with a coarser step. ``None``:
-            ``TERNARY_BLOCK`` for q1.5, 256 for the rest.
+            fewer scale bytes (4 per block, 2 for q1.5) but quantize with a coarser step.
+            ``None``: ``TERNARY_BLOCK`` for q1.5, 256 for the rest.
         stochastic: unbiased stochastic rounding instead of round-to-nearest. Costs one
             counter-based random draw per element; draws are a function of
             (seed, step, bucket, rank, element), so runs are reproducible.
@@ -217,7 +217,7 @@ class Quantizer(Compressor):
     @property
     def record_bytes(self) -> int:
         """One block on the wire: a float32 magnitude, then B codes of b bits (q1.5: a
-        B-bit bitmap and B/2 sign bits)."""
+        bfloat16 magnitude, a B-bit bitmap and room for B/2 sign bits)."""
         return payload_bytes(self.block_size, self.code, self.block_size)
 
     def payload_bytes(self, numel: int) -> int:
@@ -609,12 +609,11 @@ def ramp_stages(c: Compressor) -> list[Compressor]:
     """The methods a ramp steps through, mildest first, before ``c`` itself.
 
     A quantizer at b bits steps through every bit width of ``RAMP_BITS`` above b (q1.5
-    through 8 and 4); a
-    sparsifier at density R through 25%, 6.25%, ... (each a quarter of the one before)
-    while above R. Every stage keeps ``c``'s other options, error feedback included, and
-    uses the same residuals: error feedback carries what a stage did not send into the
-    next. q8 and densities of 25% or more have no stages; lossless and cast methods have
-    nothing to ramp and raise ValueError.
+    through 8 and 4); a sparsifier at density R through 25%, 6.25%, ... (each a quarter
+    of the one before) while above R. Every stage keeps ``c``'s other options, error
+    feedback included, and uses the same residuals: error feedback carries what a stage
+    did not send into the next. q8 and densities of 25% or more have no stages; lossless
+    and cast methods have nothing to ramp and raise ValueError.
     """
     if isinstance(c, Quantizer):
         # q2 is no milder than q1.5: their codes distort Gaussian blocks alike (0.190 and
@@ -657,15 +656,16 @@ SPARSE_SCHEDULE = (200, 200)
 # element per step at K = 64. At decay 0.8 a refresh every K = 64 steps beat K = 32 at every
 # seed for q1 (+4.25% against +5.15%); K = 16 did no better than 32.
 DEFAULT_NORMALIZE = 64
-# q1.5's: in a prototype of its code on the same GPT (benchmarks/RESULTS.md, steady state)
-# blocks of 512 with a refresh every 128 steps ended +1.76% (seeds 0-3) against +1.50% at
-# 256 and 64, for 1.59 bits per element after the warm-up instead of 1.67.
+# q1.5's: with blocks of 512 it ended +1.93% above DDP on the same GPT (8 seeds) at 20.06x
+# fewer bytes after the warm-up (benchmarks/RESULTS.md, steady state); a refresh every 256
+# steps did worse at seeds 0 / 1 (+2.34 / +2.55% against +2.09 / +1.31%).
 TERNARY_NORMALIZE = 128
 
 
 def resolve_normalize(c: Compressor, flat_hook: bool) -> Compressor:
     """``c`` with its ``normalize`` decided: as given, else ``DEFAULT_NORMALIZE`` for q2 and
-    q1 in a flat, non-adaptive hook state (``flat_hook``) and 0 for the rest."""
+    q1 (``TERNARY_NORMALIZE`` for q1.5) in a flat, non-adaptive hook state (``flat_hook``)
+    and 0 for the rest."""
     if not isinstance(c, Quantizer) or c.normalize is not None:
         return c
     k = (TERNARY_NORMALIZE if c.bits == 1.5 else DEFAULT_NORMALIZE) if c.bits <= 2 else 0
