@@ -55,8 +55,8 @@ def kernel_digests() -> dict[str, str]:
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         x = floats(n, next(seeds)).to(dtype)
         x[123] = float("nan")  # a non-finite block: canonical NaN on every path
-        for bits in (1, 2, 4, 8):
-            for stochastic in (False, True):
+        for bits in (1, 2, 4, 8, ops.SPARSE_BITS):
+            for stochastic in (False, True) if bits != ops.SPARSE_BITS else (False,):
                 residual = floats(n, next(seeds)) * 0.1
                 p = ops.quantize(x, residual, bits, 256, stochastic, seed=3, step=5)
                 rows = torch.stack([p, ops.quantize(x.flip(0), None, bits, 256)])
