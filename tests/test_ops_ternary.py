@@ -58,9 +58,8 @@ def test_sum_requantize_and_arbitrary_payloads_match_reference(device):
 
 
 def test_kept_elements_are_the_dead_zone_and_m_their_mean_abs():
-    g = torch.Generator().manual_seed(3)
-    x = torch.distributions.StudentT(3.0).sample((512,)) * 0.01  # heavy-tailed: no cap
-    x = x.float()
+    # Heavy-tailed (cubes of Gaussians): 17% exceed the dead zone, far from the cap.
+    x = torch.randn(512, generator=torch.Generator().manual_seed(3)) ** 3 * 0.01
     t = 0.675 * float(x.double().square().mean().sqrt())
     keep = x.abs() > t
     assert 0 < int(keep.sum()) <= 256
@@ -72,7 +71,6 @@ def test_kept_elements_are_the_dead_zone_and_m_their_mean_abs():
     assert torch.allclose(got, torch.full_like(got, m), rtol=2.0**-8)
     assert bool((got == got[0]).all())
     assert torch.equal(torch.sign(d[keep]), torch.sign(x[keep]))
-    del g
 
 
 def test_the_cap_keeps_the_largest_half_ties_to_the_lower_index():
@@ -132,10 +130,11 @@ def test_magnitudes_travel_as_bfloat16_saturated_not_infinite():
 
 def test_payload_size_and_kept_share():
     n = 512 * 64
-    p = ops.quantize(torch.randn(n), None, Q15, 512)
+    g = torch.Generator().manual_seed(6)
+    p = ops.quantize(torch.randn(n, generator=g), None, Q15, 512)
     assert p.numel() == ops.payload_bytes(n, Q15, 512) == 64 * (2 + 96)
     assert compressors.parse("q1.5").record_bytes == 98
-    kept = float((_decode(torch.randn(n), 512) != 0).float().mean())
+    kept = float((_decode(torch.randn(n, generator=g), 512) != 0).float().mean())
     assert 0.45 < kept <= 0.5  # Gaussian blocks: about half exceed 0.675 sigma, capped at half
 
 
