@@ -146,7 +146,7 @@ __device__ void add_row_word(const SparseRows& p, int64_t r, int64_t word, CtaSc
   first[threadIdx.x] = prefix;
   __syncthreads();
   if (words_per_block <= kThreads) {
-    prefix -= first[threadIdx.x - (int)(wb < threadIdx.x ? wb : threadIdx.x)];
+    prefix -= first[(int64_t)threadIdx.x - wb];  // the block's first word is in this CTA
   } else {
     const int64_t blk0 = (cta_word0 * kWord) >> p.log2_block;
     const uint8_t* rec0 = p.data + r * p.row_bytes + blk0 * p.rec + kSparseScaleBytes;
