@@ -86,6 +86,22 @@ def test_the_cap_keeps_the_largest_half_ties_to_the_lower_index():
     assert torch.equal(d[512:768], torch.full((256,), 0.5)) and not d[768:].any()
 
 
+@pytest.mark.parametrize("over", [257, 300, 320, 400, 511])
+def test_capped_blocks_whose_kept_values_sit_far_above_the_dead_zone(device, over):
+    # `over` values of magnitude 10-11 (some of them tied) among near-zeros: the dead zone's
+    # threshold lies far below them, so the kernels' search for the cap's key must widen its
+    # band past the threshold several times before it holds the over - 256 it drops.
+    g = torch.Generator().manual_seed(over)
+    x = torch.rand(4 * 512, generator=g) * 1e-3
+    for b in range(4):
+        big = torch.randperm(512, generator=g)[:over] + 512 * b
+        x[big] = 10.0 + torch.rand(over, generator=g).mul_(4).floor_().div_(4)
+    x[torch.rand(x.numel(), generator=g) < 0.5] *= -1
+    d = _decode(x, 512)
+    assert int((d != 0).sum()) == 4 * 256
+    check_quantize(device, x, Q15, 512, ef=False, stochastic=False)
+
+
 def test_error_feedback_keeps_what_was_not_sent():
     x = torch.randn(4096, generator=torch.Generator().manual_seed(2))
     r = torch.zeros(4096)
