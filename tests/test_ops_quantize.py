@@ -273,7 +273,7 @@ def test_dequantize_sum_matches_reference(device, bits, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("bits", [*BITS, ops.SPARSE_BITS])
 def test_dequantize_sum_times_a_scale(device, bits, dtype):
     # The normalize path: out.mul_(scale) folded into the decode, with its numbers (one
     # rounding of the product for fp32, a second one to the dtype for 16-bit outputs) and

@@ -42,19 +42,21 @@ def test_block_sizes_and_gradient_like_values(device, block):
         )
 
 
-def test_sum_requantize_and_arbitrary_payloads_match_reference(device):
+@pytest.mark.parametrize("world", [3, 11])  # the CPU sums 8 rows at a time
+def test_sum_requantize_and_arbitrary_payloads_match_reference(device, world):
     for n in (0, 999, 2**16 + 5):
         rows = torch.stack(
-            [ops.quantize(_input(n, torch.float32, s), None, Q15, 128) for s in range(3)]
+            [ops.quantize(_input(n, torch.float32, s), None, Q15, 128) for s in range(world)]
         )
         for ef in (False, True):
-            check_requantize(device, rows, n, Q15, 128, 3, ef=ef, stochastic=False)
+            check_requantize(device, rows, n, Q15, 128, world, ef=ef, stochastic=False)
         # Random bytes: bitmaps with more set bits than the record has signs for.
         for p in random_payload_rows(2, n, Q15, 128, n) if n else ():
             for dtype in DTYPES:
                 check_dequantize(device, p, n, Q15, 128, dtype)
-        got = ops.dequantize_sum(rows.to(device), n, Q15, 128, 3, torch.float32)
-        assert_same_bits(got, oracle(device).dequantize_sum(rows, n, Q15, 128, 3, torch.float32))
+        got = ops.dequantize_sum(rows.to(device), n, Q15, 128, world, torch.float32)
+        want = oracle(device).dequantize_sum(rows, n, Q15, 128, world, torch.float32)
+        assert_same_bits(got, want)
 
 
 def test_kept_elements_are_the_dead_zone_and_m_their_mean_abs():

@@ -452,9 +452,41 @@ enum class SumTo {
   kRequant,  // dst = S = a (+ res), e = S / divisor: requantize's sum and the values it encodes
 };
 
+// Writes what kTo says for the row sums a of elements j .. j + 7 (finish8) or of element j
+// (finish1). `res` is the block's residual (kRequant) or its scale (kScaled).
+template <SumTo kTo>
+LANES_INLINE void finish8(f32x8 a, int64_t j, const Divide& d, const float* res, float* dst,
+                          float* e) {
+  if constexpr (kTo == SumTo::kResult) {
+    store8(dst + j, canonical8(d(a)));
+  } else if constexpr (kTo == SumTo::kScaled) {
+    store8(dst + j, canonical8(canonical8(d(a)) * load8(res + j)));
+  } else if constexpr (kTo == SumTo::kSum) {
+    store8(dst + j, a);
+  } else {
+    const f32x8 S = res != nullptr ? a + load8(res + j) : a;
+    store8(dst + j, S);
+    store8(e + j, d(S));
+  }
+}
+
+template <SumTo kTo>
+LANES_INLINE void finish1(float a, int64_t j, const Divide& d, const float* res, float* dst,
+                          float* e) {
+  if constexpr (kTo == SumTo::kResult) {
+    dst[j] = canonical(d(a));
+  } else if constexpr (kTo == SumTo::kScaled) {
+    dst[j] = canonical(canonical(d(a)) * res[j]);
+  } else if constexpr (kTo == SumTo::kSum) {
+    dst[j] = a;
+  } else {
+    dst[j] = res != nullptr ? a + res[j] : a;
+    e[j] = d(dst[j]);
+  }
+}
+
 // Sums element j of block `blk` of every payload row in row order in fp32, from 0 (so a lone
-// -0 reads +0), for j < valid, and writes what kTo says. `res` is the block's residual
-// (kRequant) or its scale (kScaled). A group's sums stay in registers
+// -0 reads +0), for j < valid, and writes what kTo says. A group's sums stay in registers
 // across the rows, and requantize's residual add and divide ride on the same pass (as
 // separate loops over the block they cost it 0.05 ns an element).
 template <int kBits, SumTo kTo>
@@ -471,20 +503,7 @@ void sum_rows(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t blk, i
       decode_group<kBits>(Record(first + r * row_bytes), q, v);
       for (int s = 0; s < kSub; ++s) a[s] = a[s] + v[s];
     }
-    for (int s = 0; s < kSub; ++s) {
-      const int64_t j = kGroup * q + kLanes * s;
-      if constexpr (kTo == SumTo::kResult) {
-        store8(dst + j, canonical8(d(a[s])));
-      } else if constexpr (kTo == SumTo::kScaled) {
-        store8(dst + j, canonical8(canonical8(d(a[s])) * load8(res + j)));
-      } else if constexpr (kTo == SumTo::kSum) {
-        store8(dst + j, a[s]);
-      } else {
-        const f32x8 S = res != nullptr ? a[s] + load8(res + j) : a[s];
-        store8(dst + j, S);
-        store8(e + j, d(S));
-      }
-    }
+    for (int s = 0; s < kSub; ++s) finish8<kTo>(a[s], kGroup * q + kLanes * s, d, res, dst, e);
   }
   for (int64_t j = groups * kGroup; j < valid; ++j) {
     float a = 0.0f;
@@ -492,16 +511,7 @@ void sum_rows(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t blk, i
       const Record rr(first + r * row_bytes);
       a = a + code_value<kBits>(rr.codes, j, rr.m);
     }
-    if constexpr (kTo == SumTo::kResult) {
-      dst[j] = canonical(d(a));
-    } else if constexpr (kTo == SumTo::kScaled) {
-      dst[j] = canonical(canonical(d(a)) * res[j]);
-    } else if constexpr (kTo == SumTo::kSum) {
-      dst[j] = a;
-    } else {
-      dst[j] = res != nullptr ? a + res[j] : a;
-      e[j] = d(dst[j]);
-    }
+    finish1<kTo>(a, j, d, res, dst, e);
   }
 }
 

@@ -5,7 +5,8 @@
 // word (BMI2's pext) on the way out, and spread back over it (pdep) on the way in.
 #pragma once
 
-constexpr int kWordBits = 32;  // elements per bitmap word
+constexpr int kWordBits = 32;                 // elements per bitmap word
+constexpr int kWordSub = kWordBits / kLanes;  // 8-lane vectors per bitmap word
 
 // x's bits at the set bits of mask, packed low (pext), and its inverse (pdep).
 LANES_INLINE uint32_t gather_bits(uint32_t x, uint32_t mask) {
@@ -26,6 +27,14 @@ LANES_INLINE uint32_t spread_bits(uint32_t x, uint32_t mask) {
   for (; mask != 0; mask &= mask - 1, x >>= 1) r |= (x & 1u) ? (mask & (0u - mask)) : 0u;
   return r;
 #endif
+}
+
+// Bits 8 sub .. 8 sub + 7 of a word broadcast to every lane, lane t testing bit 8 sub + t, as
+// 0 / -1 lane masks: an and and a compare, where shifting each lane's bit down took two more
+// instructions.
+LANES_INLINE i32x8 word_lanes(u32x8 word, int sub) {
+  const u32x8 lane_bit = {1u, 2u, 4u, 8u, 16u, 32u, 64u, 128u};
+  return (word & (lane_bit << (kLanes * sub))) != 0u;
 }
 
 // Packs the lanes of k8 whose bit is set in mask to dst[0 ..), in lane order, and returns how
@@ -140,7 +149,7 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
       // Keys above v, and of those equal to it the first `ties` left: the lowest bits of the
       // word's equal ones (pdep of a run of ones).
       uint32_t gt = 0, eq = 0;
-      for (int sub = 0; sub < kWordBits / kLanes; ++sub) {
+      for (int sub = 0; sub < kWordSub; ++sub) {
         u32x8 k8;
         std::memcpy(&k8, keys + j0 + kLanes * sub, sizeof(k8));
         gt |= lane_mask(k8 > v) << (kLanes * sub);
@@ -150,15 +159,15 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
       const int64_t take = ties <= 0 ? 0 : (ties < n_eq ? ties : n_eq);
       keep = gt | spread_bits(take >= 32 ? ~0u : (1u << take) - 1u, eq);
       ties -= n_eq;
-      const u32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-      for (int sub = 0; sub < kWordBits / kLanes; ++sub) {
+      const u32x8 kept = (u32x8){} + keep;
+      for (int sub = 0; sub < kWordSub; ++sub) {
         u32x8 k8;
         std::memcpy(&k8, keys + j0 + kLanes * sub, sizeof(k8));
-        const i32x8 kept = ((((u32x8){} + (keep >> (kLanes * sub))) >> lane) & 1u) != 0u;
-        store8(tree + j0 + kLanes * sub, (f32x8)((i32x8)((f32x8)k8 * pre) & kept));
+        const i32x8 a = (i32x8)((f32x8)k8 * pre);
+        store8(tree + j0 + kLanes * sub, (f32x8)(a & word_lanes(kept, sub)));
       }
     } else {
-      for (int sub = 0; sub < kWordBits / kLanes; ++sub) {
+      for (int sub = 0; sub < kWordSub; ++sub) {
         u32x8 k8;
         std::memcpy(&k8, keys + j0 + kLanes * sub, sizeof(k8));
         const f32x8 a = (f32x8)k8 * pre;
@@ -167,7 +176,7 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
         store8(tree + j0 + kLanes * sub, (f32x8)((i32x8)a & kept));
       }
     }
-    for (int sub = 0; sub < kWordBits / kLanes; ++sub) {
+    for (int sub = 0; sub < kWordSub; ++sub) {
       neg |= lane_mask(load8(e + j0 + kLanes * sub) < 0.0f) << (kLanes * sub);
     }
     std::memcpy(bitmap + j0 / 8, &keep, sizeof(keep));
@@ -201,68 +210,107 @@ LANES_INLINE uint32_t sign_window(const uint8_t* signs, int64_t bytes, int64_t s
   return (uint32_t)(w >> (s & 7));
 }
 
-// Calls f(j, v) for the values v of elements j .. j + 7 of the record of a block of B
-// (j < valid - valid % 32), then tail(j, value) for each element past them: one bitmap word
-// a step, its values selected lane by lane from m, -m and m * 0.
-template <class F, class Tail>
-LANES_INLINE void sparse_values(const uint8_t* record, int64_t B, int64_t valid, F&& f,
-                                Tail&& tail) {
-  uint16_t mb16;
-  std::memcpy(&mb16, record, sizeof(mb16));
-  const float m = sparse_m_value(mb16);
-  const uint8_t* bitmap = record + kSparseScaleBytes;
-  const uint8_t* signs = bitmap + B / 8;
-  const int64_t sign_bytes = B / 16;
-  const float zero = sparse_value(false, false, m);
-  const u32x8 mb = (u32x8){} + float_bits(m), zb = (u32x8){} + float_bits(zero);
-  const u32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-  int64_t s = 0;
-  const int64_t words = valid / kWordBits;
-  for (int64_t q = 0; q < words; ++q) {
+// One record, decoded in order: a bitmap word (32 elements) at a time, then element by
+// element past the last whole word. A kept element is +-m, its sign the next of the
+// record's sign bits; the others m * 0.
+struct SparseRow {
+  const uint8_t* bitmap;
+  const uint8_t* signs;
+  int64_t sign_bytes, s;  // s: the sign bits the elements before took
+  float m;
+  u32x8 mb, zb;  // m's and m * 0's bits in every lane
+
+  SparseRow() = default;
+  SparseRow(const uint8_t* record, int64_t B)
+      : bitmap(record + kSparseScaleBytes), signs(bitmap + B / 8), sign_bytes(B / 16), s(0) {
+    uint16_t mb16;
+    std::memcpy(&mb16, record, sizeof(mb16));
+    m = sparse_m_value(mb16);
+    mb = (u32x8){} + float_bits(m);
+    zb = (u32x8){} + float_bits(sparse_value(false, false, m));
+  }
+
+  // The values of elements 32 q .. 32 q + 31, 8 per vector, lane by lane from m, -m, m * 0.
+  LANES_INLINE void word(int64_t q, f32x8 (&v)[kWordSub]) {
     uint32_t bits;
     std::memcpy(&bits, bitmap + 4 * q, sizeof(bits));
     const uint32_t neg = spread_bits(sign_window(signs, sign_bytes, s), bits);
     s += __builtin_popcount(bits);
-    for (int sub = 0; sub < kWordBits / kLanes; ++sub) {
-      const u32x8 kept = (((u32x8){} + (bits >> (kLanes * sub))) >> lane) & 1u;
-      const u32x8 negative = (((u32x8){} + (neg >> (kLanes * sub))) >> lane) & 1u;
-      f(kWordBits * q + kLanes * sub, (f32x8)(kept != 0u ? mb ^ (negative << 31) : zb));
+    const u32x8 kept = (u32x8){} + bits, negative = (u32x8){} + neg;
+    for (int sub = 0; sub < kWordSub; ++sub) {
+      const u32x8 sign = (u32x8)word_lanes(negative, sub) & 0x80000000u;
+      v[sub] = (f32x8)(word_lanes(kept, sub) != 0 ? mb ^ sign : zb);
     }
   }
-  for (int64_t j = words * kWordBits; j < valid; ++j) {
+
+  // Element j's value, for j past the whole words, in increasing order.
+  float element(int64_t j) {
     const bool kept = (bitmap[j >> 3] >> (j & 7)) & 1u;
     const bool negative = kept && ((sign_window(signs, sign_bytes, s) & 1u) != 0u);
     s += kept;
-    tail(j, sparse_value(kept, negative, m));
+    return sparse_value(kept, negative, m);
   }
-}
+};
 
-// acc[j] = acc[j] + (element j's value), j < valid.
-inline void sparse_add(const uint8_t* record, int64_t B, int64_t valid, float* acc) {
-  sparse_values(
-      record, B, valid, [&](int64_t j, f32x8 v) { store8(acc + j, load8(acc + j) + v); },
-      [&](int64_t j, float v) { acc[j] = acc[j] + v; });
+// Calls f(j, v) for the values v of elements j .. j + 7 of the record of a block of B
+// (j < valid - valid % 32), then tail(j, value) for each element past them.
+template <class F, class Tail>
+LANES_INLINE void sparse_values(const uint8_t* record, int64_t B, int64_t valid, F&& f,
+                                Tail&& tail) {
+  SparseRow row(record, B);
+  const int64_t words = valid / kWordBits;
+  for (int64_t q = 0; q < words; ++q) {
+    f32x8 v[kWordSub];
+    row.word(q, v);
+    for (int sub = 0; sub < kWordSub; ++sub) f(kWordBits * q + kLanes * sub, v[sub]);
+  }
+  for (int64_t j = words * kWordBits; j < valid; ++j) tail(j, row.element(j));
 }
 
 // Block size of a q1.5 record of `rec` bytes.
 inline int64_t sparse_block(int64_t rec) { return (rec - kSparseScaleBytes) * 16 / 3; }
 
-// sum_rows for q1.5 records (same contract): dst accumulates the row sum in place.
+// sum_rows for q1.5 records (same contract). Up to kRowsAtOnce rows are decoded side by
+// side, a word's sums kept in registers across them; more rows carry their partial sums
+// through dst (the adds stay in row order, so the bits do not depend on the split).
 template <SumTo kTo>
 void sparse_sum_rows(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t blk, int64_t rec,
-                     int64_t valid, const Divide& d, const float* res, float* dst, float* e) {
-  const int64_t B = sparse_block(rec);
-  for (int64_t j = 0; j < valid; ++j) dst[j] = 0.0f;
-  for (int64_t r = 0; r < rows; ++r) sparse_add(in + r * row_bytes + blk * rec, B, valid, dst);
-  for (int64_t j = 0; j < valid; ++j) {
-    if constexpr (kTo == SumTo::kResult) {
-      dst[j] = canonical(d(dst[j]));
-    } else if constexpr (kTo == SumTo::kScaled) {
-      dst[j] = canonical(canonical(d(dst[j])) * res[j]);
-    } else if constexpr (kTo == SumTo::kRequant) {
-      const float S = res != nullptr ? dst[j] + res[j] : dst[j];
-      dst[j] = S;
-      e[j] = d(S);
+                     int64_t valid, const Divide& divide, const float* res, float* dst, float* e) {
+  constexpr int64_t kRowsAtOnce = 8;
+  const Divide d = divide;  // a local copy: the stores to dst cannot change it
+  const int64_t B = sparse_block(rec), words = valid / kWordBits;
+  const uint8_t* first = in + blk * rec;
+  SparseRow row[kRowsAtOnce];
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowsAtOnce) {
+    const int64_t n = std::min(kRowsAtOnce, rows - r0);
+    const bool last = r0 + n == rows;
+    for (int64_t r = 0; r < n; ++r) row[r] = SparseRow(first + (r0 + r) * row_bytes, B);
+    for (int64_t q = 0; q < words; ++q) {
+      f32x8 a[kWordSub], v[kWordSub];
+      for (int sub = 0; sub < kWordSub; ++sub) {
+        a[sub] = r0 == 0 ? (f32x8){} : load8(dst + kWordBits * q + kLanes * sub);
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        row[r].word(q, v);
+        for (int sub = 0; sub < kWordSub; ++sub) a[sub] = a[sub] + v[sub];
+      }
+      for (int sub = 0; sub < kWordSub; ++sub) {
+        const int64_t j = kWordBits * q + kLanes * sub;
+        if (last) {
+          finish8<kTo>(a[sub], j, d, res, dst, e);
+        } else {
+          store8(dst + j, a[sub]);
+        }
+      }
+    }
+    for (int64_t j = words * kWordBits; j < valid; ++j) {
+      float a = r0 == 0 ? 0.0f : dst[j];
+      for (int64_t r = 0; r < n; ++r) a = a + row[r].element(j);
+      if (last) {
+        finish1<kTo>(a, j, d, res, dst, e);
+      } else {
+        dst[j] = a;
+      }
     }
   }
 }
