@@ -67,15 +67,14 @@ LANES_INLINE int64_t pack8(uint32_t* dst, u32x8 k8, uint32_t mask) {
 // 2 (d + 1) / over wide relative to t (on Gaussian blocks, whose |e| just above 0.675 sigma
 // hold about 0.86 of the kept share per unit of relative width, about twice the keys
 // needed) and widens 4x a try; the last takes every key above t.
-inline uint32_t cap_key(const uint32_t* keys, int64_t B, float pre, float t, int64_t over,
-                        int64_t cap, uint32_t* band) {
+inline uint32_t cap_key(const float* e, int64_t B, float pre, float t, int64_t over, int64_t cap,
+                        uint32_t* band) {
   constexpr int kTries = 6;
   const int64_t d = over - cap;
   const float at = t / pre;  // t in |e|'s units (only the band's width depends on it)
   float width = 2.0f * (float)(d + 1) / (float)over;
   auto in_band = [&](int64_t j, uint32_t u) {
-    u32x8 k8;
-    std::memcpy(&k8, keys + j, sizeof(k8));
+    const u32x8 k8 = abs_bits8(load8(e + j));
     return ((f32x8)k8 * pre > t) & (i32x8)(k8 <= u);
   };
   uint32_t u = 0xFFFFFFFFu;
@@ -93,26 +92,20 @@ inline uint32_t cap_key(const uint32_t* keys, int64_t B, float pre, float t, int
   // At most j entries precede group j, so its 8 stores stay inside band's B.
   int64_t inside = 0;
   for (int64_t j = 0; j < B; j += kLanes) {
-    u32x8 k8;
-    std::memcpy(&k8, keys + j, sizeof(k8));
-    inside += pack8(band + inside, k8, lane_mask(in_band(j, u)));
+    inside += pack8(band + inside, abs_bits8(load8(e + j)), lane_mask(in_band(j, u)));
   }
   std::nth_element(band, band + d, band + inside);
   return band[d];
 }
 
-// The record of block e (B values, `valid` of them real, zeros past them). keys and tree
-// are scratch of B entries each.
-inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* record, uint32_t* keys,
-                         float* tree) {
+// The record of block e (B values, `valid` of them real, zeros past them). tree is scratch of
+// B entries. Every pass reads e itself: its magnitude keys (|e|'s bits) are one and away,
+// so storing them cost more stores than it saved.
+inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* record, float* tree) {
   uint8_t* bitmap = record + kSparseScaleBytes;
   uint8_t* signs = bitmap + B / 8;
   const int64_t sign_bytes = B / 16;
-  uint32_t mbits = 0;
-  for (int64_t j = 0; j < B; ++j) {
-    keys[j] = magnitude_key(e[j]);
-    mbits = keys[j] > mbits ? keys[j] : mbits;
-  }
+  const uint32_t mbits = absmax_bits(e, B);
   if (mbits >= 0x7F800000u) {
     const uint16_t m = sparse_m_bits(canonical_nan());
     std::memcpy(record, &m, sizeof(m));
@@ -120,22 +113,29 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
     return;
   }
   const float pre = sparse_pre(bits_float(mbits));
-  for (int64_t j = 0; j < B; ++j) {
-    const float a = bits_float(keys[j]) * pre;
-    tree[j] = a * a;
+  auto scaled = [&](int64_t j) { return (f32x8)abs_bits8(load8(e + j)) * pre; };
+  // The tree sum of the squares, its first level (j with j + B/2) added as they are taken.
+  const int64_t half = B / 2;
+  for (int64_t j = 0; j < half; j += kLanes) {
+    const f32x8 a = scaled(j), b = scaled(j + half);
+    store8(tree + j, a * a + b * b);
   }
-  const float t = dead_zone(tree_sum(tree, B), valid);
+  const float t = dead_zone(tree_sum(tree, half), valid);
+  i32x8 above_t = {};
+  for (int64_t j = 0; j < B; j += kLanes) above_t -= scaled(j) > t;
   int64_t over = 0;
-  for (int64_t j = 0; j < B; ++j) over += bits_float(keys[j]) * pre > t;
+  for (int l = 0; l < kLanes; ++l) over += above_t[l];
   // Past the cap: keep keys above the cap-th largest key v, and the first `ties` equal to it.
   const int64_t cap = sparse_cap(B);
   const bool capped = over > cap;
   uint32_t v = 0;
   int64_t ties = 0;
   if (capped) {
-    v = cap_key(keys, B, pre, t, over, cap, reinterpret_cast<uint32_t*>(tree));
+    v = cap_key(e, B, pre, t, over, cap, reinterpret_cast<uint32_t*>(tree));
+    i32x8 above_v = {};
+    for (int64_t j = 0; j < B; j += kLanes) above_v -= abs_bits8(load8(e + j)) > v;
     int64_t above = 0;
-    for (int64_t j = 0; j < B; ++j) above += keys[j] > v;
+    for (int l = 0; l < kLanes; ++l) above += above_v[l];
     ties = cap - above;
   }
   // Word by word: the bitmap word, the kept |e| into tree, the kept signs appended to `run`.
@@ -150,8 +150,7 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
       // word's equal ones (pdep of a run of ones).
       uint32_t gt = 0, eq = 0;
       for (int sub = 0; sub < kWordSub; ++sub) {
-        u32x8 k8;
-        std::memcpy(&k8, keys + j0 + kLanes * sub, sizeof(k8));
+        const u32x8 k8 = abs_bits8(load8(e + j0 + kLanes * sub));
         gt |= lane_mask(k8 > v) << (kLanes * sub);
         eq |= lane_mask(k8 == v) << (kLanes * sub);
       }
@@ -161,16 +160,12 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
       ties -= n_eq;
       const u32x8 kept = (u32x8){} + keep;
       for (int sub = 0; sub < kWordSub; ++sub) {
-        u32x8 k8;
-        std::memcpy(&k8, keys + j0 + kLanes * sub, sizeof(k8));
-        const i32x8 a = (i32x8)((f32x8)k8 * pre);
+        const i32x8 a = (i32x8)scaled(j0 + kLanes * sub);
         store8(tree + j0 + kLanes * sub, (f32x8)(a & word_lanes(kept, sub)));
       }
     } else {
       for (int sub = 0; sub < kWordSub; ++sub) {
-        u32x8 k8;
-        std::memcpy(&k8, keys + j0 + kLanes * sub, sizeof(k8));
-        const f32x8 a = (f32x8)k8 * pre;
+        const f32x8 a = scaled(j0 + kLanes * sub);
         const i32x8 kept = a > t;
         keep |= lane_mask(kept) << (kLanes * sub);
         store8(tree + j0 + kLanes * sub, (f32x8)((i32x8)a & kept));
