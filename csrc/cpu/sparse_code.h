@@ -58,17 +58,59 @@ LANES_INLINE int64_t pack8(uint32_t* dst, u32x8 k8, uint32_t mask) {
   return __builtin_popcount(mask);
 }
 
-// The cap-th largest of the `over` keys above the dead zone (a * pre > t for a = |e|): the
-// (d + 1)-th smallest of them, d = over - cap, so it sits just above t. The keys of a band
-// (t, u] that holds at least d + 1 of them (which then holds the d + 1 smallest) are packed
-// into `band` (B entries) and nth_element picks there: vector compares and a permute a group
-// of 8, where a heap over every key above t took a mispredicted branch for most of the keys
-// that entered it (Gaussian blocks: 2.4x the time of an uncapped one). The band starts
-// 2 (d + 1) / over wide relative to t (on Gaussian blocks, whose |e| just above 0.675 sigma
-// hold about 0.86 of the kept share per unit of relative width, about twice the keys
-// needed) and widens 4x a try; the last takes every key above t.
+// The lanes set in masks summed into c (a set lane is -1).
+LANES_INLINE int64_t lanes_set(i32x8 c) {
+  int64_t n = 0;
+  for (int l = 0; l < kLanes; ++l) n -= c[l];
+  return n;
+}
+
+// The (d + 1)-th smallest of keys[0, n), d < n, all at most hi: a bisection on the key's
+// value, each step a branch-free count of the keys up to the midpoint (8 at a time, over
+// keys padded to whole vectors with keys above every key). nth_element's compares,
+// mispredicted about half the time, took 12K cycles for a block of 512 near-equal |e|
+// (the median of the whole block: what normalize makes of a gradient repeated step after
+// step); this takes about 2.5K.
+inline uint32_t select_key(uint32_t* keys, int64_t n, int64_t d, uint32_t hi) {
+  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  for (int64_t j = n; j < padded; ++j) keys[j] = 0xFFFFFFFFu;
+  u32x8 low = (u32x8){} + 0xFFFFFFFFu;
+  for (int64_t j = 0; j < padded; j += kLanes) {
+    u32x8 k8;
+    std::memcpy(&k8, keys + j, sizeof(k8));
+    low = k8 < low ? k8 : low;
+  }
+  uint32_t lo = 0xFFFFFFFFu;
+  for (int l = 0; l < kLanes; ++l) lo = low[l] < lo ? low[l] : lo;
+  // Invariant: at most d keys are below lo, more than d are at most hi.
+  while (lo < hi) {
+    const uint32_t mid = lo + (hi - lo) / 2;
+    i32x8 c = {};
+    for (int64_t j = 0; j < padded; j += kLanes) {
+      u32x8 k8;
+      std::memcpy(&k8, keys + j, sizeof(k8));
+      c += k8 <= mid;
+    }
+    if (lanes_set(c) > d) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return lo;
+}
+
+// The cap-th largest of the `over` keys above the dead zone (a * pre > t for a = |e|, keys at
+// most `top`): the (d + 1)-th smallest of them, d = over - cap, so it sits just above t. The
+// keys of a band (t, u] that holds at least d + 1 of them (which then holds the d + 1
+// smallest) are packed into `band` (B entries) and select_key picks there: vector compares
+// and a permute a group of 8, where a heap over every key above t took a mispredicted branch
+// for most of the keys that entered it (Gaussian blocks: 2.4x the time of an uncapped one).
+// The band starts 2 (d + 1) / over wide relative to t (on Gaussian blocks, whose |e| just
+// above 0.675 sigma hold about 0.86 of the kept share per unit of relative width, about
+// twice the keys needed) and widens 4x a try; the last takes every key above t.
 inline uint32_t cap_key(const float* e, int64_t B, float pre, float t, int64_t over, int64_t cap,
-                        uint32_t* band) {
+                        uint32_t top, uint32_t* band) {
   constexpr int kTries = 6;
   const int64_t d = over - cap;
   const float at = t / pre;  // t in |e|'s units (only the band's width depends on it)
@@ -77,15 +119,13 @@ inline uint32_t cap_key(const float* e, int64_t B, float pre, float t, int64_t o
     const u32x8 k8 = abs_bits8(load8(e + j));
     return ((f32x8)k8 * pre > t) & (i32x8)(k8 <= u);
   };
-  uint32_t u = 0xFFFFFFFFu;
+  uint32_t u = top;
   for (int tries = 0; tries < kTries; ++tries, width *= 4.0f) {
     const uint32_t bound = magnitude_key(at * (1.0f + width));
     i32x8 count = {};
-    for (int64_t j = 0; j < B; j += kLanes) count -= in_band(j, bound);
-    int64_t inside = 0;
-    for (int l = 0; l < kLanes; ++l) inside += count[l];
-    if (inside > d) {
-      u = bound;
+    for (int64_t j = 0; j < B; j += kLanes) count += in_band(j, bound);
+    if (lanes_set(count) > d) {
+      u = bound < top ? bound : top;
       break;
     }
   }
@@ -94,8 +134,12 @@ inline uint32_t cap_key(const float* e, int64_t B, float pre, float t, int64_t o
   for (int64_t j = 0; j < B; j += kLanes) {
     inside += pack8(band + inside, abs_bits8(load8(e + j)), lane_mask(in_band(j, u)));
   }
-  std::nth_element(band, band + d, band + inside);
-  return band[d];
+  // A few dozen keys (Gaussian blocks: about 2 (d + 1)) nth_element sorts out faster.
+  if (inside <= 64) {
+    std::nth_element(band, band + d, band + inside);
+    return band[d];
+  }
+  return select_key(band, inside, d, u);
 }
 
 // The record of block e (B values, `valid` of them real, zeros past them). tree is scratch of
@@ -122,21 +166,18 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
   }
   const float t = dead_zone(tree_sum(tree, half), valid);
   i32x8 above_t = {};
-  for (int64_t j = 0; j < B; j += kLanes) above_t -= scaled(j) > t;
-  int64_t over = 0;
-  for (int l = 0; l < kLanes; ++l) over += above_t[l];
+  for (int64_t j = 0; j < B; j += kLanes) above_t += scaled(j) > t;
+  const int64_t over = lanes_set(above_t);
   // Past the cap: keep keys above the cap-th largest key v, and the first `ties` equal to it.
   const int64_t cap = sparse_cap(B);
   const bool capped = over > cap;
   uint32_t v = 0;
   int64_t ties = 0;
   if (capped) {
-    v = cap_key(e, B, pre, t, over, cap, reinterpret_cast<uint32_t*>(tree));
+    v = cap_key(e, B, pre, t, over, cap, mbits, reinterpret_cast<uint32_t*>(tree));
     i32x8 above_v = {};
-    for (int64_t j = 0; j < B; j += kLanes) above_v -= abs_bits8(load8(e + j)) > v;
-    int64_t above = 0;
-    for (int l = 0; l < kLanes; ++l) above += above_v[l];
-    ties = cap - above;
+    for (int64_t j = 0; j < B; j += kLanes) above_v += abs_bits8(load8(e + j)) > v;
+    ties = cap - lanes_set(above_v);
   }
   // Word by word: the bitmap word, the kept |e| into tree, the kept signs appended to `run`.
   uint64_t run = 0;
