@@ -171,11 +171,12 @@ bench-fidelity: all
 	  $(STUDY) fidelity_$$c benchmarks/results/fidelity/$$c.json bench-out/fidelity/$$c-?.json; done
 	$(MAKE) bench-fidelity-normalized
 
-# q2 and q1 at their current default (normalize=64) on the same runs, with DDP beside them.
+# q2 and q1 at their current default (normalize=64), and q1.5 at its own (normalize=128), on
+# the same runs, with DDP beside them.
 .PHONY: bench-fidelity-normalized
 bench-fidelity-normalized: all
 	mkdir -p bench-out/fidelity
-	set -e; for q in q1:$(Q1_N64) q2:$(Q2_N64); do for d in $(FIDELITY_DATA); do c=$${d%%:*}; for s in 0 1 2 3; do \
+	set -e; for q in q1:$(Q1_N64) q2:$(Q2_N64) q15:q1.5; do for d in $(FIDELITY_DATA); do c=$${d%%:*}; for s in 0 1 2 3; do \
 	  $(PY) -m ddpcomm.bench train --data $$c $${d#*:} --seed $$s --methods ddp,$${q#*:} $(FIDELITY_MODEL) --out bench-out/fidelity/$${q%%:*}n-$$c-$$s.json; done; \
 	  $(STUDY) $${q%%:*}_normalize_$$c benchmarks/results/fidelity/$${q%%:*}_normalize_$$c.json bench-out/fidelity/$${q%%:*}n-$$c-?.json; done; done
 	$(PY) benchmarks/tables.py benchmarks/results/fidelity/markov.json benchmarks/results/fidelity/text.json
