@@ -570,13 +570,14 @@ void update_residual(const uint8_t* record, const float* s, float scale, int64_t
   }
 }
 
-// Per-task scratch: two staged blocks (and for requantize their sums), a tree-sum buffer
-// (q1.5's cap search packs keys there) and codes.
+// Per-task scratch: two staged blocks (and for requantize their sums), a tree-sum buffer,
+// codes, and the keys q1.5's cap search packs.
 struct Scratch {
   std::vector<float> e[2], sum[2], tree;
   std::vector<uint8_t> codes;
+  std::vector<uint32_t> band;
   Scratch(int64_t B, bool sums)
-      : e{std::vector<float>(B), std::vector<float>(B)}, tree(B), codes(B) {
+      : e{std::vector<float>(B), std::vector<float>(B)}, tree(B), codes(B), band(B) {
     if (sums) sum[0].resize(B), sum[1].resize(B);
   }
 };
@@ -598,7 +599,7 @@ float no_magnitude(const float*, int64_t, int64_t, float*) { return 0.0f; }
 
 void write_sparse(const float* e, int64_t B, int64_t valid, float, uint64_t, int64_t,
                   uint8_t* record, Scratch& s) {
-  sparse_write(e, B, valid, record, s.tree.data());
+  sparse_write(e, B, valid, record, s.tree.data(), s.band.data());
 }
 
 // The steps of encoding a block, for the bit width and rounding picked at launch.

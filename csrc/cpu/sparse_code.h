@@ -142,10 +142,11 @@ inline uint32_t cap_key(const float* e, int64_t B, float pre, float t, int64_t o
   return select_key(band, inside, d, u);
 }
 
-// The record of block e (B values, `valid` of them real, zeros past them). tree is scratch of
-// B entries. Every pass reads e itself: its magnitude keys (|e|'s bits) are one and away,
-// so storing them cost more stores than it saved.
-inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* record, float* tree) {
+// The record of block e (B values, `valid` of them real, zeros past them). tree and band are
+// scratch of B entries each. Every pass reads e itself: its magnitude keys (|e|'s bits) are
+// one and away, so storing them cost more stores than it saved.
+inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* record, float* tree,
+                         uint32_t* band) {
   uint8_t* bitmap = record + kSparseScaleBytes;
   uint8_t* signs = bitmap + B / 8;
   const int64_t sign_bytes = B / 16;
@@ -174,7 +175,7 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
   uint32_t v = 0;
   int64_t ties = 0;
   if (capped) {
-    v = cap_key(e, B, pre, t, over, cap, mbits, reinterpret_cast<uint32_t*>(tree));
+    v = cap_key(e, B, pre, t, over, cap, mbits, band);
     i32x8 above_v = {};
     for (int64_t j = 0; j < B; j += kLanes) above_v += abs_bits8(load8(e + j)) > v;
     ties = cap - lanes_set(above_v);
