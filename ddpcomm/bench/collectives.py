@@ -475,10 +475,11 @@ def _probes(method, state, last, shapes, grad, warmup) -> tuple[list[tuple], boo
 def _mirror(real, probe) -> None:
     """The codec probe's state takes the real state's iteration and per-element state
     (residuals, normalize's scales and averages) before each timed call, so that it encodes
-    what the real call encodes: on the fake group, whose collectives move no data, the scale
-    it shares with itself is another (on the bench's gradient, repeated call after call, it
-    made every value q1.5 encodes lie within 8% of 2.2 in magnitude, that code's hardest
-    case, and its codec alone took longer than the whole real call)."""
+    what the real call encodes: on the fake group, whose collectives copy a rank's own input
+    into their output, normalize would share this rank's own scale, not the ranks' mean (on
+    the bench's gradient, repeated call after call, one formed from a single step made every
+    value q1.5 encodes lie within 8% of 1/sqrt(0.2) = 2.24 in magnitude, that code's
+    hardest case, and its codec alone took longer than the whole real call)."""
     probe.iteration = real.iteration
     for key, buf in real.memory.buffers.items():
         mine = probe.memory.buffers.get(key)
