@@ -117,7 +117,7 @@ $(CUDA_CHECK_DIR)/%.syntax: csrc/cuda/%.cpp $(CUDA_HDRS) $(VENV)/.deps
 # Regenerates benchmarks/results/{collectives,train,fsdp}/, as its README lists.
 .PHONY: bench-net
 bench-net: all
-	$(PY) -m ddpcomm.bench collectives --link 1gbit --world 2 --sizes 64 --methods allreduce,q8,q4,q2,q1,topk:0.01,randk:0.01 --iters 9 --out benchmarks/results/collectives/1gbit_2ranks.json
+	$(PY) -m ddpcomm.bench collectives --link 1gbit --world 2 --sizes 64 --methods allreduce,q8,q4,q2,q1.5,q1,topk:0.01,randk:0.01 --iters 9 --out benchmarks/results/collectives/1gbit_2ranks.json
 	$(PY) -m ddpcomm.bench collectives --link 1gbit --world 4 --sizes 64 --methods allreduce,torch-fp16,torch-qpt,q8 --iters 5 --out benchmarks/results/collectives/1gbit_4ranks.json
 	$(PY) -m ddpcomm.bench collectives --link 10gbit --world 2 --sizes 16,64 --methods allreduce,torch-fp16,powersgd-r4,q8,q4,q1 --iters 5 --out benchmarks/results/collectives/10gbit_2ranks.json
 	$(PY) -m ddpcomm.bench train --link 1gbit --methods nocomm,ddp,q8,q4 --out benchmarks/results/train/1gbit_2ranks.json
