@@ -143,8 +143,8 @@ inline uint32_t cap_key(const float* e, int64_t B, float pre, float t, int64_t o
 }
 
 // The record of block e (B values, `valid` of them real, zeros past them). tree and band are
-// scratch of B entries each. Every pass reads e itself: its magnitude keys (|e|'s bits) are
-// one and away, so storing them cost more stores than it saved.
+// scratch of B entries each. Every pass reads e itself: a magnitude key (|e|'s bits) takes one
+// bitwise and to form again, and storing the keys cost more than it saved.
 inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* record, float* tree,
                          uint32_t* band) {
   uint8_t* bitmap = record + kSparseScaleBytes;
