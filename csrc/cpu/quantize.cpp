@@ -217,6 +217,14 @@ LANES_INLINE uint32_t max_lane(u32x8 a) {
   return m;
 }
 
+LANES_INLINE u32x8 min8(u32x8 a, u32x8 b) { return a < b ? a : b; }
+
+LANES_INLINE uint32_t min_lane(u32x8 a) {
+  uint32_t m = 0xFFFFFFFFu;
+  for (int t = 0; t < kLanes; ++t) m = a[t] < m ? a[t] : m;
+  return m;
+}
+
 // The largest |x| of a block, as its bit pattern: for non-negative floats the integer order
 // is the float order, and an integer max is exact in any order, so it runs as 4 independent
 // maxima of 8 lanes (gcc keeps a float max's NaN semantics without -ffast-math and left the

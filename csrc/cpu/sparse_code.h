@@ -78,10 +78,9 @@ inline uint32_t select_key(uint32_t* keys, int64_t n, int64_t d, uint32_t hi) {
   for (int64_t j = 0; j < padded; j += kLanes) {
     u32x8 k8;
     std::memcpy(&k8, keys + j, sizeof(k8));
-    low = k8 < low ? k8 : low;
+    low = min8(low, k8);
   }
-  uint32_t lo = 0xFFFFFFFFu;
-  for (int l = 0; l < kLanes; ++l) lo = low[l] < lo ? low[l] : lo;
+  uint32_t lo = min_lane(low);
   // Invariant: at most d keys are below lo, more than d are at most hi.
   while (lo < hi) {
     const uint32_t mid = lo + (hi - lo) / 2;
