@@ -42,6 +42,17 @@ def test_block_sizes_and_gradient_like_values(device, block):
         )
 
 
+def test_every_block_writes_its_own_signs(device):
+    # Blocks of opposite signs in turn: a record holding a sign bit left from the block
+    # before (a CUDA CTA's shared memory at B = 32, whose 16 signs fill half a word) differs.
+    g = torch.Generator().manual_seed(5)
+    for block in (32, 64):
+        blocks = torch.rand(4096, block, generator=g) + 0.5
+        x = (blocks * torch.tensor([-1.0, 1.0]).repeat(2048)[:, None]).reshape(-1)
+        for ef in (False, True):
+            check_quantize(device, x, Q15, block, ef=ef, stochastic=False)
+
+
 @pytest.mark.parametrize("world", [3, 11])  # the CPU sums 8 rows at a time
 def test_sum_requantize_and_arbitrary_payloads_match_reference(device, world):
     for n in (0, 999, 2**16 + 5):

@@ -265,7 +265,8 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(EncodeArgs a) {
   for (int64_t j = threadIdx.x; j < B; j += kThreads) mx = max(mx, key_at(j));
   mx = cta_max(mx, s);
   for (int64_t w = threadIdx.x; w < B / kWord; w += kThreads) bm[w] = 0u;
-  for (int64_t w = threadIdx.x; w < B / 2 / kWord; w += kThreads) sg[w] = 0u;
+  // B = 32 has 16 sign bits: half a word, which must still be cleared.
+  for (int64_t w = threadIdx.x; w < (B / 2 + kWord - 1) / kWord; w += kThreads) sg[w] = 0u;
   float m = canonical_nan();
   if (mx < 0x7F800000u) {
     const float pre = sparse_pre(__uint_as_float(mx));
