@@ -37,7 +37,9 @@ def build_info() -> dict:
     torch it was built against (``torch_built``) and the one loaded (``torch``), the CPU
     kernels the ops run (``cpu_kernels``: ``x86-64-v3`` or ``x86-64`` in a portable build,
     picked at load; ``as built`` in a ``DDPCOMM_CPU_ARCH`` build) and why
-    (``cpu_dispatch``; ``DDPCOMM_CPU_DISPATCH=baseline`` forces the x86-64 ones)."""
+    (``cpu_dispatch``, which also says where pdep and pext are microcode;
+    ``DDPCOMM_CPU_DISPATCH=baseline`` forces the x86-64 ones, ``slow-bmi2`` the x86-64-v3
+    ones without pdep and pext)."""
     import ctypes
 
     info = dict(_C.build_info())

@@ -4,8 +4,9 @@ that shares torch's C++ runtime.
 
 The op tests (test_ops_*.py) hold the kernels the library picked at load to the reference;
 here a subprocess runs every CPU kernel family forced to the x86-64 baseline
-(DDPCOMM_CPU_DISPATCH=baseline) and its outputs must equal this process's bit for bit;
-where qemu-user is installed, again on an emulated CPU without AVX.
+(DDPCOMM_CPU_DISPATCH=baseline) and its outputs must equal this process's bit for bit; so
+must the x86-64-v3 ones as they run where pdep and pext are microcode (slow-bmi2); where
+qemu-user is installed, again on an emulated CPU without AVX.
 """
 
 from __future__ import annotations
@@ -120,6 +121,19 @@ def test_baseline_kernels_give_the_same_bits():
         "DDPCOMM_CPU_DISPATCH=baseline",
     )
     assert kernel_digests() == baseline
+
+
+@dispatching
+def test_kernels_without_pdep_give_the_same_bits():
+    # The x86-64-v3 kernels as they run where pdep and pext are microcode (AMD before Zen 3).
+    if ddpcomm.build_info()["cpu_kernels"] != "x86-64-v3":
+        pytest.skip("this CPU lacks x86-64-v3")
+    info, tables = _digests_elsewhere(env={"DDPCOMM_CPU_DISPATCH": "slow-bmi2"})
+    assert (info["cpu_kernels"], info["cpu_dispatch"]) == (
+        "x86-64-v3",
+        "DDPCOMM_CPU_DISPATCH=slow-bmi2",
+    )
+    assert kernel_digests() == tables
 
 
 @dispatching

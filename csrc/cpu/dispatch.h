@@ -4,7 +4,8 @@
 // itself for the baseline (x86-64: SSE2) into namespace ddpcomm::baseline, and through
 // csrc/cpu/avx2/<family>.cpp for x86-64-v3 (AVX2, FMA, BMI2, F16C) into ddpcomm::avx2.
 // dispatch.cpp registers one of the two sets with the dispatcher when the library loads: avx2
-// where the CPU has x86-64-v3, baseline on an older CPU or with DDPCOMM_CPU_DISPATCH=baseline.
+// where the CPU has x86-64-v3, baseline on an older CPU or with DDPCOMM_CPU_DISPATCH=baseline
+// (and fast_bmi2() below for the one place pdep and pext pay).
 // Both give the same bits: no -ffast-math, no FMA contraction (-ffp-contract=off), and gcc
 // keeps the order of float reductions without -ffast-math, whatever the vector width.
 //
@@ -37,6 +38,10 @@
 #endif
 
 namespace ddpcomm {
+
+// Whether the x86-64-v3 kernels may use BMI2's pdep and pext: false where the CPU runs them
+// as microcode (AMD before Zen 3) or DDPCOMM_CPU_DISPATCH=slow-bmi2 says so. Fixed at load.
+bool fast_bmi2();
 
 // Each family's m.impl calls, in each compiled variant.
 namespace baseline {

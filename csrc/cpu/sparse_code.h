@@ -1,33 +1,27 @@
 // q1.5 on the CPU (numerics.h): the encoder's write step, the residual and the row sums of
 // its records. Included by quantize.cpp inside its namespace, after Divide, SumTo and the
 // 8-lane vector helpers. Both directions work on one 32-bit bitmap word (32 elements) at a
-// time: the signs of a word's kept elements are its sign bits gathered under the bitmap
-// word (BMI2's pext) on the way out, and spread back over it (pdep) on the way in.
+// time: on the way out the signs of a word's kept elements are packed in element order, on
+// the way in each kept element takes the next of them: BMI2's pext and pdep of the word's
+// sign bits under its bitmap word where they run in hardware (fast_bmi2, dispatch.h); else
+// with AVX2 8 lanes at a time through lane_tables.h (a permute packs the kept lanes; a
+// lane's shift is its rank among them), 1.2x the time of pdep for a decode on Zen 4 but
+// no microcode; without AVX2, bit by bit.
 #pragma once
+
+#if DDPCOMM_HAVE_AVX2
+#include "lane_tables.h"
+#endif
 
 constexpr int kWordBits = 32;                 // elements per bitmap word
 constexpr int kWordSub = kWordBits / kLanes;  // 8-lane vectors per bitmap word
 
-// x's bits at the set bits of mask, packed low (pext), and its inverse (pdep).
-LANES_INLINE uint32_t gather_bits(uint32_t x, uint32_t mask) {
 #if DDPCOMM_HAVE_AVX2
-  return _pext_u32(x, mask);
-#else
-  uint32_t r = 0;
-  for (int i = 0; mask != 0; mask &= mask - 1, ++i) r |= ((x >> __builtin_ctz(mask)) & 1u) << i;
-  return r;
-#endif
+// The lanes of v whose bit is set in mask (< 256), packed to the front in lane order.
+LANES_INLINE i32x8 compact8(i32x8 v, uint32_t mask) {
+  return (i32x8)_mm256_permutevar8x32_epi32((__m256i)v, lane_row(kLaneTables.compact, mask));
 }
-
-LANES_INLINE uint32_t spread_bits(uint32_t x, uint32_t mask) {
-#if DDPCOMM_HAVE_AVX2
-  return _pdep_u32(x, mask);
-#else
-  uint32_t r = 0;
-  for (; mask != 0; mask &= mask - 1, x >>= 1) r |= (x & 1u) ? (mask & (0u - mask)) : 0u;
-  return r;
 #endif
-}
 
 // Bits 8 sub .. 8 sub + 7 of a word broadcast to every lane, lane t testing bit 8 sub + t, as
 // 0 / -1 lane masks: an and and a compare, where shifting each lane's bit down took two more
@@ -41,13 +35,8 @@ LANES_INLINE i32x8 word_lanes(u32x8 word, int sub) {
 // many. Up to 8 entries are written: dst must have room for 8.
 LANES_INLINE int64_t pack8(uint32_t* dst, u32x8 k8, uint32_t mask) {
 #if DDPCOMM_HAVE_AVX2
-  // The lane numbers of the set bits, as bytes (pext of 0x07..00 under a byte mask), widened
-  // to a vpermd index: one permute instead of a store per lane.
-  const uint64_t bytes = _pdep_u64(mask, 0x0101010101010101ull) * 0xFFu;
-  const uint64_t lanes = _pext_u64(0x0706050403020100ull, bytes);
-  const __m256i index = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)lanes));
-  const __m256i packed = _mm256_permutevar8x32_epi32((__m256i)k8, index);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
+  const i32x8 packed = compact8((i32x8)k8, mask);
+  std::memcpy(dst, &packed, sizeof(packed));
 #else
   int64_t c = 0;
   for (int l = 0; l < kLanes; ++l) {
@@ -56,6 +45,75 @@ LANES_INLINE int64_t pack8(uint32_t* dst, u32x8 k8, uint32_t mask) {
   }
 #endif
   return __builtin_popcount(mask);
+}
+
+// Bit i set where the i-th kept element of the word at e (32 values; bit t of keep: element t
+// kept) is negative. bmi2: fast_bmi2().
+LANES_INLINE uint32_t kept_signs(const float* e, uint32_t keep, bool bmi2) {
+#if DDPCOMM_HAVE_AVX2
+  if (bmi2) {
+    uint32_t neg = 0;
+    for (int sub = 0; sub < kWordSub; ++sub) {
+      neg |= lane_mask(load8(e + kLanes * sub) < 0.0f) << (kLanes * sub);
+    }
+    return _pext_u32(neg, keep);
+  }
+  uint32_t signs = 0;
+  int at = 0;
+  for (int sub = 0; sub < kWordSub; ++sub) {
+    const uint32_t mask = (keep >> (kLanes * sub)) & 0xFFu;
+    const int n = __builtin_popcount(mask);
+    const uint32_t packed = lane_mask(compact8(load8(e + kLanes * sub) < 0.0f, mask));
+    signs |= (packed & ((1u << n) - 1u)) << at;
+    at += n;
+  }
+  return signs;
+#else
+  (void)bmi2;
+  uint32_t neg = 0, signs = 0;
+  for (int sub = 0; sub < kWordSub; ++sub) {
+    neg |= lane_mask(load8(e + kLanes * sub) < 0.0f) << (kLanes * sub);
+  }
+  for (int i = 0; keep != 0; keep &= keep - 1, ++i) {
+    signs |= ((neg >> __builtin_ctz(keep)) & 1u) << i;
+  }
+  return signs;
+#endif
+}
+
+// kept_signs' inverse: the sign bit (bit 31) of each of a word's 32 elements, 8 lanes per
+// vector, from w, whose bit i is the i-th kept element's; lanes not kept hold anything.
+LANES_INLINE void word_signs(uint32_t w, uint32_t keep, bool bmi2, u32x8 (&sign)[kWordSub]) {
+#if DDPCOMM_HAVE_AVX2
+  if (bmi2) {
+    const u32x8 negative = (u32x8){} + _pdep_u32(w, keep);
+    for (int sub = 0; sub < kWordSub; ++sub) {
+      sign[sub] = (u32x8)word_lanes(negative, sub) & 0x80000000u;
+    }
+    return;
+  }
+  for (int sub = 0; sub < kWordSub; ++sub) {
+    const uint32_t mask = (keep >> (kLanes * sub)) & 0xFFu;
+    const u32x8 rank = (u32x8)lane_row(kLaneTables.rank, mask);
+    sign[sub] = (((u32x8){} + w) >> rank) << 31;
+    w >>= __builtin_popcount(mask);
+  }
+#else
+  (void)bmi2;
+  uint32_t neg = 0;
+  for (uint32_t m = keep; m != 0; m &= m - 1, w >>= 1) neg |= (w & 1u) ? (m & (0u - m)) : 0u;
+  const u32x8 negative = (u32x8){} + neg;
+  for (int sub = 0; sub < kWordSub; ++sub) {
+    sign[sub] = (u32x8)word_lanes(negative, sub) & 0x80000000u;
+  }
+#endif
+}
+
+// The lowest n (>= 0) set bits of x.
+LANES_INLINE uint32_t lowest_set(uint32_t x, int64_t n) {
+  uint32_t r = 0;
+  for (; n > 0 && x != 0; --n, x &= x - 1) r |= x & (0u - x);
+  return r;
 }
 
 // The lanes set in masks summed into c (a set lane is -1).
@@ -149,6 +207,7 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
   uint8_t* bitmap = record + kSparseScaleBytes;
   uint8_t* signs = bitmap + B / 8;
   const int64_t sign_bytes = B / 16;
+  const bool bmi2 = fast_bmi2();
   const uint32_t mbits = absmax_bits(e, B);
   if (mbits >= 0x7F800000u) {
     const uint16_t m = sparse_m_bits(canonical_nan());
@@ -185,10 +244,10 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
   int64_t count = 0, written = 0;
   for (int64_t j0 = 0; j0 < B; j0 += kWordBits) {
     // Branch-free: whether an element is kept is a coin flip near the threshold.
-    uint32_t keep = 0, neg = 0;
+    uint32_t keep = 0;
     if (capped) {
       // Keys above v, and of those equal to it the first `ties` left: the lowest bits of the
-      // word's equal ones (pdep of a run of ones).
+      // word's equal ones (all of them but in the one word where the ties run out).
       uint32_t gt = 0, eq = 0;
       for (int sub = 0; sub < kWordSub; ++sub) {
         const u32x8 k8 = abs_bits8(load8(e + j0 + kLanes * sub));
@@ -197,7 +256,7 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
       }
       const int64_t n_eq = __builtin_popcount(eq);
       const int64_t take = ties <= 0 ? 0 : (ties < n_eq ? ties : n_eq);
-      keep = gt | spread_bits(take >= 32 ? ~0u : (1u << take) - 1u, eq);
+      keep = gt | (take == n_eq ? eq : lowest_set(eq, take));
       ties -= n_eq;
       const u32x8 kept = (u32x8){} + keep;
       for (int sub = 0; sub < kWordSub; ++sub) {
@@ -212,12 +271,9 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
         store8(tree + j0 + kLanes * sub, (f32x8)((i32x8)a & kept));
       }
     }
-    for (int sub = 0; sub < kWordSub; ++sub) {
-      neg |= lane_mask(load8(e + j0 + kLanes * sub) < 0.0f) << (kLanes * sub);
-    }
     std::memcpy(bitmap + j0 / 8, &keep, sizeof(keep));
     const int c = __builtin_popcount(keep);
-    run |= (uint64_t)gather_bits(neg, keep) << held;
+    run |= (uint64_t)kept_signs(e + j0, keep, bmi2) << held;
     held += c;
     count += c;
     if (held >= 32) {
@@ -255,10 +311,15 @@ struct SparseRow {
   int64_t sign_bytes, s;  // s: the sign bits the elements before took
   float m;
   u32x8 mb, zb;  // m's and m * 0's bits in every lane
+  bool bmi2;     // fast_bmi2()
 
   SparseRow() = default;
   SparseRow(const uint8_t* record, int64_t B)
-      : bitmap(record + kSparseScaleBytes), signs(bitmap + B / 8), sign_bytes(B / 16), s(0) {
+      : bitmap(record + kSparseScaleBytes),
+        signs(bitmap + B / 8),
+        sign_bytes(B / 16),
+        s(0),
+        bmi2(fast_bmi2()) {
     uint16_t mb16;
     std::memcpy(&mb16, record, sizeof(mb16));
     m = sparse_m_value(mb16);
@@ -270,12 +331,12 @@ struct SparseRow {
   LANES_INLINE void word(int64_t q, f32x8 (&v)[kWordSub]) {
     uint32_t bits;
     std::memcpy(&bits, bitmap + 4 * q, sizeof(bits));
-    const uint32_t neg = spread_bits(sign_window(signs, sign_bytes, s), bits);
+    u32x8 sign[kWordSub];
+    word_signs(sign_window(signs, sign_bytes, s), bits, bmi2, sign);
     s += __builtin_popcount(bits);
-    const u32x8 kept = (u32x8){} + bits, negative = (u32x8){} + neg;
+    const u32x8 kept = (u32x8){} + bits;
     for (int sub = 0; sub < kWordSub; ++sub) {
-      const u32x8 sign = (u32x8)word_lanes(negative, sub) & 0x80000000u;
-      v[sub] = (f32x8)(word_lanes(kept, sub) != 0 ? mb ^ sign : zb);
+      v[sub] = (f32x8)(word_lanes(kept, sub) != 0 ? mb ^ sign[sub] : zb);
     }
   }
 

@@ -95,22 +95,7 @@ struct Candidates {
 };
 
 #if DDPCOMM_HAVE_AVX2
-// For each 8-bit mask, the lanes whose bit is set, packed to the front (in lane order):
-// the permutation that compacts one 8-lane vector with AVX2's permutevar8x32. Built at
-// compile time: a constructor run at load would be AVX2 code run on every CPU.
-struct CompactTable {
-  alignas(32) int32_t lanes[256][8];
-  constexpr CompactTable() : lanes{} {
-    for (int mask = 0; mask < 256; ++mask) {
-      int m = 0;
-      for (int lane = 0; lane < 8; ++lane) {
-        if (mask & (1 << lane)) lanes[mask][m++] = lane;
-      }
-      while (m < 8) lanes[mask][m++] = 0;
-    }
-  }
-};
-constexpr CompactTable kCompact;
+#include "lane_tables.h"
 #endif
 
 // Appends the entries of bits[0, len) whose key is >= thr, with their indices b + j, to
@@ -129,7 +114,7 @@ int64_t compact(const uint32_t* bits, int64_t len, int64_t b, uint32_t thr, uint
     // No early exit on an empty mask: the mispredicted branch costs more than the stores
     // it saves (64 Mi fp32 at 1%, one thread: 35 ms with it, 29 ms without).
     const int mask = _mm256_movemask_ps(_mm256_castsi256_ps(hit));
-    const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompact.lanes[mask]));
+    const __m256i perm = lane_row(kLaneTables.compact, (uint32_t)mask);
     const __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int32_t)(b + j)), lane);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(hit_bits + m),
                         _mm256_permutevar8x32_epi32(v, perm));
