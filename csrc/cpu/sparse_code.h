@@ -54,7 +54,7 @@ LANES_INLINE uint32_t kept_signs(const float* e, uint32_t keep, bool bmi2) {
   if (bmi2) {
     uint32_t neg = 0;
     for (int sub = 0; sub < kWordSub; ++sub) {
-      neg |= lane_mask(load8(e + kLanes * sub) < 0.0f) << (kLanes * sub);
+      neg |= lane_mask(lt8(load8(e + kLanes * sub), f32x8{})) << (kLanes * sub);
     }
     return _pext_u32(neg, keep);
   }
@@ -63,7 +63,7 @@ LANES_INLINE uint32_t kept_signs(const float* e, uint32_t keep, bool bmi2) {
   for (int sub = 0; sub < kWordSub; ++sub) {
     const uint32_t mask = (keep >> (kLanes * sub)) & 0xFFu;
     const int n = __builtin_popcount(mask);
-    const uint32_t packed = lane_mask(compact8(load8(e + kLanes * sub) < 0.0f, mask));
+    const uint32_t packed = lane_mask(compact8(lt8(load8(e + kLanes * sub), f32x8{}), mask));
     signs |= (packed & ((1u << n) - 1u)) << at;
     at += n;
   }
@@ -72,7 +72,7 @@ LANES_INLINE uint32_t kept_signs(const float* e, uint32_t keep, bool bmi2) {
   (void)bmi2;
   uint32_t neg = 0, signs = 0;
   for (int sub = 0; sub < kWordSub; ++sub) {
-    neg |= lane_mask(load8(e + kLanes * sub) < 0.0f) << (kLanes * sub);
+    neg |= lane_mask(lt8(load8(e + kLanes * sub), f32x8{})) << (kLanes * sub);
   }
   for (int i = 0; keep != 0; keep &= keep - 1, ++i) {
     signs |= ((neg >> __builtin_ctz(keep)) & 1u) << i;
@@ -174,7 +174,7 @@ inline uint32_t cap_key(const float* e, int64_t B, float pre, float t, int64_t o
   float width = 2.0f * (float)(d + 1) / (float)over;
   auto in_band = [&](int64_t j, uint32_t u) {
     const u32x8 k8 = abs_bits8(load8(e + j));
-    return ((f32x8)k8 * pre > t) & (i32x8)(k8 <= u);
+    return gt8((f32x8)k8 * pre, (f32x8){} + t) & (i32x8)(k8 <= u);
   };
   uint32_t u = top;
   for (int tries = 0; tries < kTries; ++tries, width *= 4.0f) {
@@ -225,7 +225,8 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
   }
   const float t = dead_zone(tree_sum(tree, half), valid);
   i32x8 above_t = {};
-  for (int64_t j = 0; j < B; j += kLanes) above_t += scaled(j) > t;
+  const f32x8 t8 = (f32x8){} + t;
+  for (int64_t j = 0; j < B; j += kLanes) above_t += gt8(scaled(j), t8);
   const int64_t over = lanes_set(above_t);
   // Past the cap: keep keys above the cap-th largest key v, and the first `ties` equal to it.
   const int64_t cap = sparse_cap(B);
@@ -266,7 +267,7 @@ inline void sparse_write(const float* e, int64_t B, int64_t valid, uint8_t* reco
     } else {
       for (int sub = 0; sub < kWordSub; ++sub) {
         const f32x8 a = scaled(j0 + kLanes * sub);
-        const i32x8 kept = a > t;
+        const i32x8 kept = gt8(a, t8);
         keep |= lane_mask(kept) << (kLanes * sub);
         store8(tree + j0 + kLanes * sub, (f32x8)((i32x8)a & kept));
       }
