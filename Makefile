@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 NATIVE_SRC := setup.py $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.cpp csrc/cpu/*.h csrc/cpu/avx2/*.cpp csrc/cuda/*)
 NVCC := $(shell command -v nvcc 2>/dev/null)
+CXX_FILES := $(filter-out setup.py,$(NATIVE_SRC)) $(wildcard tests/cuda_emu/*.cpp tests/cuda_emu/include/*.h)
 
 .PHONY: all demo test bench lint format nvcc-check clean
 
@@ -62,11 +63,11 @@ nvcc-check: cuda-check
 lint: $(VENV)/.deps
 	$(VENV)/bin/ruff check ddpcomm tests benchmarks .ci
 	$(VENV)/bin/ruff format --check ddpcomm tests benchmarks .ci
-	$(VENV)/bin/clang-format --dry-run --Werror $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.h csrc/cpu/*.cpp csrc/cpu/avx2/*.cpp csrc/cuda/*)
+	$(VENV)/bin/clang-format --dry-run --Werror $(CXX_FILES)
 
 format: $(VENV)/.deps
 	$(VENV)/bin/ruff format ddpcomm tests benchmarks
-	$(VENV)/bin/clang-format -i $(wildcard csrc/*.h csrc/*.cpp csrc/cpu/*.h csrc/cpu/*.cpp csrc/cpu/avx2/*.cpp csrc/cuda/*)
+	$(VENV)/bin/clang-format -i $(CXX_FILES)
 
 clean:
 	rm -rf build ddpcomm/*.so $(VENV)/.built
