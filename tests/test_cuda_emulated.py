@@ -1,11 +1,15 @@
-"""The CUDA quantizer kernels (csrc/cuda/ternary_kernels.cu, quantize_kernels.cu) run on the
-CPU under tests/cuda_emu, bit for bit against the CPU ops, on every machine, GPU or not.
+"""The CUDA quantizer and sparsification kernels (csrc/cuda/ternary_kernels.cu,
+quantize_kernels.cu, sparse_kernels.cu) run on the CPU under tests/cuda_emu, bit for bit against
+the CPU ops, on every machine, GPU or not.
 
 The emulation runs the kernels' own code with shuffled thread orders, garbage in shared memory
 and workspaces, and checks barriers and warp intrinsics (tests/cuda_emu/include/cuda_runtime.h
 lists what it checks and what it cannot). q1.5's cases aim at its hard paths: the cap among
 ties, blocks over several CTAs, non-finite and extreme values; the quantizer's at its three
-encode paths. The last tests plant bugs in a copy of the source and expect them found.
+encode paths. Top-k's cases take each of its device-chosen paths (compacted candidates, every
+entry, candidates padded) with ties, NaN and Inf; sparse_accumulate's cross tiles with unaligned
+rows and refuses malformed ones as the CPU op does; random-k's cover strata ranges. The last
+tests plant bugs in a copy of the source and expect them found.
 """
 
 from __future__ import annotations
@@ -17,6 +21,14 @@ from ddpcomm import ops
 from tests import cuda_emu
 from tests.cuda_utils import DTYPES, assert_same_bits, assert_same_bytes
 from tests.test_ops_quantize import _input, gradient_like, random_payload_rows, residual_like
+from tests.test_ops_sparse import (
+    _sample_misses,
+    adversarial,
+    gen,
+    k_for,
+    strata_cuts,
+    values_like,
+)
 
 Q15 = ops.SPARSE_BITS
 RNG = (11, 12, 13)  # seed, step, rng_offset of stochastic rounding
@@ -220,14 +232,194 @@ def test_quantizer(emu, block, bits):
 
 
 # --------------------------------------------------------------------------------------
+# top-k, sparse_accumulate, random-k (sparse_kernels.cu)
+# --------------------------------------------------------------------------------------
+
+
+def check_topk(emu, x, k, approximate, *, ef, value_dtype=None) -> torch.Tensor:
+    r_want = residual_like(x.numel(), k) * 100 if ef else None
+    r_got = r_want.clone() if ef else None
+    args = (k, approximate, 5, 2, value_dtype)
+    want = ops.topk_compress(x, r_want, *args)
+    assert_same_bytes(emu.topk_compress(x, r_got, *args), want)
+    if ef:
+        assert_same_bits(r_got, r_want)
+    return want
+
+
+def plateau(n: int) -> torch.Tensor:
+    """Equal magnitudes but every 1000th: the sampled threshold keeps every entry, more than
+    the candidate buffer holds, so the selection runs over all of them (the dense path)."""
+    x = torch.ones(n)
+    x[::1000] = 5.0
+    x[1::2] *= -1
+    return x
+
+
+TOPK_INPUTS = {
+    "gaussian": lambda n: values_like(n, torch.float32, n),
+    # Few distinct magnitudes: the k-th largest key's ties span tiles.
+    "ties": lambda n: values_like(n, torch.float32, n, ties=True),
+    "special": lambda n: values("special", n, n),
+    "plateau": plateau,
+}
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+@pytest.mark.parametrize("kind", TOPK_INPUTS)
+# 7: one partial round; 4097: a tile and one; 20011: more entries than the 16384
+# the threshold is sampled from (below that every sampled rank is exact).
+@pytest.mark.parametrize("n", [7, 4097, 20011])
+def test_topk_compress(emu, n, kind, approximate):
+    x = TOPK_INPUTS[kind](n)
+    # 1 %: compacted candidates (the plateau's overflow their buffer: the dense path); a
+    # third: compacted, or at 20011 (gaussian, approximate) padded; k near n, and every k
+    # at n = 7 in exact mode: the sampled rank is past the sample, the dense path.
+    for k in sorted({1, k_for(n, 0.01), n // 3 + 1, n - 2 if n > 2 else n, n}):
+        check_topk(emu, x, k, approximate, ef=True)
+        check_topk(emu, x, k, approximate, ef=False, value_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+def test_topk_when_the_sample_misses(emu, approximate):
+    # The threshold keeps fewer than k entries: exact mode selects over every entry, the
+    # approximate one pads the candidates with the lowest-index others.
+    x, k = adversarial(), 1000
+    assert _sample_misses(x, k, approximate)
+    for value_dtype in DTYPES:
+        check_topk(emu, x, k, approximate, ef=True, value_dtype=value_dtype)
+    check_topk(emu, x, 3, approximate, ef=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_topk_half_inputs_and_saturating_values(emu, dtype):
+    # fp16/bf16 inputs with NaN, Inf and denormals; fp32 sums beyond the value dtype's
+    # range (sent as its largest finite value, the rest kept in the residual).
+    x = values("special", 9001, 3)
+    x[100:106] = torch.tensor([1e5, -7e4, 65520.0, -3.4e38, 3.39e38, 65504.0])
+    for approximate in (False, True):
+        for k in (6, 97, 3001):
+            check_topk(emu, x.to(dtype), k, approximate, ef=True, value_dtype=dtype)
+            check_topk(emu, x, k, approximate, ef=True, value_dtype=dtype)
+
+
+def sparse_rows(n: int, k: int, value_dtype: torch.dtype) -> torch.Tensor:
+    """Four top-k payloads (overlapping indices), of inputs with NaN, Inf and wide ranges."""
+    xs = [values(kind, n, n) for kind in ("special", "wide", "gaussian", "near_max")]
+    return torch.stack([ops.topk_compress(x, None, k, value_dtype=value_dtype) for x in xs])
+
+
+@pytest.mark.parametrize("value_dtype", DTYPES, ids=str)
+# 4096 and 12289: whole tiles, then three and a bit; odd k puts fp16/bf16 rows 2 bytes off a
+# word boundary.
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (4096, 4096), (12289, 123), (12289, 4097)])
+def test_sparse_accumulate(emu, n, k, value_dtype):
+    rows = sparse_rows(n, k, value_dtype)
+    for r, divisor, dtype in [(1, 1, DTYPES[0]), (2, 3, DTYPES[1]), (3, 7, DTYPES[2])]:
+        for check in (True, False):
+            args = (n, k, divisor, value_dtype, dtype, check)
+            assert_same_bits(
+                emu.sparse_accumulate(rows[:r], *args),
+                ops.sparse_accumulate(rows[:r], *args[:-1], check=check),
+            )
+    args = (n, k, 2, value_dtype, torch.float32)
+    assert_same_bits(emu.sparse_accumulate(rows, *args), ops.sparse_accumulate(rows, *args))
+
+
+def malformed(rows: torch.Tensor, row: int, position: int, index: int) -> torch.Tensor:
+    p = rows.clone()
+    p[row, 4 * position : 4 * position + 4] = torch.tensor([index], dtype=torch.int32).view(
+        torch.uint8
+    )
+    return p
+
+
+def test_sparse_accumulate_check_refuses_bad_rows(emu):
+    # Out of range, negative, repeated and decreasing indices at the first, a middle and the
+    # last position of a row, and two bad rows: the binding raises for the first bad row and
+    # position (the kernel's verdict) with the CPU op's message.
+    n, k = 9000, 300
+    rows = sparse_rows(n, k, torch.float16)[:3]
+    idx = rows[:, : 4 * k].clone().view(torch.int32)
+    cases = [(0, 0, -5), (2, k - 1, n), (1, 150, int(idx[1, 149])), (2, 7, 2**31 - 1)]
+    cases += [(1, 150, int(idx[1, 149]) - 1), (1, k - 1, int(idx[1, k - 2]))]
+    payloads = [malformed(rows, *case) for case in cases]
+    payloads.append(malformed(malformed(rows, 2, 3, -1), 1, 200, n + 7))
+    for p in payloads:
+        with pytest.raises(RuntimeError) as want:
+            ops.sparse_accumulate(p, n, k, 3, torch.float16, torch.float32)
+        with pytest.raises(RuntimeError) as got:
+            emu.sparse_accumulate(p, n, k, 3, torch.float16, torch.float32)
+        assert str(got.value).splitlines()[0] == str(want.value).splitlines()[0]
+
+
+def two_buffers(n: int, value: float, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Equal output buffers for the CPU op and the emulator: what they leave shows."""
+    out = torch.full((n,), value, dtype=dtype)
+    return out, out.clone()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+# 20011: the elementwise pass over several CTAs.
+@pytest.mark.parametrize("n", [1, 4097, 20011])
+def test_randk(emu, n, dtype):
+    # Strata ranges (an empty one, uneven pieces) with and without a residual; the values
+    # outside a range and the dense elements outside its strata are left as they were.
+    x = gen(n, dtype, n)
+    for k in sorted({1, k_for(n, 0.01), n // 3 + 1, n}):
+        for ef in (False, True):
+            r_want = gen(n, torch.float32, k) * 0.1 if ef else None
+            r_got = r_want.clone() if ef else None
+            want, got = two_buffers(k, 7.0)
+            for start, end in strata_cuts(k):
+                args = (k, 3, 4, 5)
+                ops.randk_compress(x, r_want, *args, out=want, start=start, end=end)
+                emu.randk_compress(x, r_got, *args, out=got, start=start, end=end)
+                assert_same_bits(got, want)
+                if ef:
+                    assert_same_bits(r_got, r_want)
+        values = ops.randk_compress(x, None, k, 3, 4, 5)
+        for out_dtype, divisor in [(DTYPES[0], 1), (DTYPES[1], 3), (DTYPES[2], 7)]:
+            want, got = two_buffers(n, 9.0, out_dtype)
+            for start, end in strata_cuts(k):
+                args = (n, 3, 4, 5, divisor, out_dtype)
+                ops.randk_decompress(values, *args, out=want, start=start, end=end)
+                emu.randk_decompress(values, *args, out=got, start=start, end=end)
+                assert_same_bits(got, want)
+
+
+def test_randk_non_finite_poisons_its_own_strata(emu):
+    n, k = 10007, 10
+    x = gen(n, torch.float32, 8)
+    x[5000] = float("inf")  # in strata [4, 6)
+    for ef in (False, True):
+        r_want = torch.zeros(n) if ef else None
+        r_got = r_want.clone() if ef else None
+        want, got = two_buffers(k, 7.0)
+        for start, end in [(0, 4), (4, 6), (6, 10)]:
+            ops.randk_compress(x, r_want, k, 0, 0, 0, out=want, start=start, end=end)
+            emu.randk_compress(x, r_got, k, 0, 0, 0, out=got, start=start, end=end)
+        assert_same_bits(got, want)
+        assert bool(got[4:6].isnan().all()) and bool(got[:4].isfinite().all())
+        if ef:
+            assert_same_bits(r_got, r_want)
+
+
+# --------------------------------------------------------------------------------------
 # The emulator finds bugs
 # --------------------------------------------------------------------------------------
 
-# Two bugs planted in one copy of ternary_kernels.cu, each in a kernel that the other's test
-# does not run: encode clears its sign words only from B = 64 up (at B = 32 a record then
-# carries the shared memory's old bits), and decode's threads past the payload leave before
-# the CTA's scan.
+# Bugs planted in one copy of the kernel files, each in a kernel that the others' tests do not
+# run: q1.5's encode clears its sign words only from B = 64 up (at B = 32 a record then
+# carries the shared memory's old bits); q1.5's decode threads past the payload leave before
+# the CTA's scan; sparse_accumulate adds a row without waiting for the zero fill and the row
+# before (a race between threads).
 PLANTED = (
+    (
+        "sparse_kernels.cu",
+        "rank order per element.\n    __syncthreads();\n",
+        "rank order per element.\n",
+    ),
     ("ternary_kernels.cu", "(B / 2 + kWord - 1) / kWord", "B / 2 / kWord"),
     (
         "ternary_kernels.cu",
@@ -250,3 +442,12 @@ def test_a_planted_barrier_divergence_is_found():
     rows = random_payload_rows(1, 100, Q15, 32, 1)
     with pytest.raises(cuda_emu.EmulationError, match="exited while others|deadlock"):
         buggy.dequantize_sum(rows, 100, Q15, 32, 1, torch.float32)
+
+
+def test_a_planted_race_is_found():
+    buggy = cuda_emu.load(PLANTED)
+    n, k = 4096, 1000
+    rows = sparse_rows(n, k, torch.float32)[:2]
+    args = (n, k, 1, torch.float32, torch.float32)
+    with pytest.raises(AssertionError, match="values differ"):
+        assert_same_bits(buggy.sparse_accumulate(rows, *args), ops.sparse_accumulate(rows, *args))

@@ -1,10 +1,12 @@
-"""csrc/cuda's quantizer kernels compiled for the CPU, and ctypes bindings that run them.
+"""csrc/cuda's quantizer and sparsification kernels compiled for the CPU, and ctypes bindings
+that run them.
 
 The kernel files run under a host emulation of CUDA CTAs (include/cuda_runtime.h states what
 it checks and what it cannot). :func:`load` rewrites their launches and ``__shared__``
 declarations for it (:func:`rewrite`), compiles them with g++ into build/cuda-emu/ under a
 hash of every input (later runs reuse the library), and returns an :class:`Emulator`, whose
-methods take the arguments of ddpcomm.ops' quantizer ops and return what the CUDA ops would.
+methods take the arguments of ddpcomm.ops' quantizer and sparse ops and return what the CUDA
+ops would.
 
 A failed build raises :class:`BuildError` with the compiler's output: tests fail, never skip.
 
@@ -35,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CSRC = ROOT / "csrc"
 CACHE = ROOT / "build" / "cuda-emu"
-KERNEL_FILES = ("ternary_kernels.cu", "quantize_kernels.cu")
+KERNEL_FILES = ("ternary_kernels.cu", "quantize_kernels.cu", "sparse_kernels.cu")
 # Host float arithmetic as the device's under nvcc --fmad=false: no contraction, no fast math.
 FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math")
 WARNINGS = ("-Wall", "-Wextra", "-Wno-unknown-pragmas")  # #pragma unroll is nvcc's
@@ -190,7 +192,7 @@ def _garbage(n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
 
 
 class Emulator:
-    """ddpcomm.ops' quantizer ops as the CUDA kernels compute them, on CPU tensors."""
+    """ddpcomm.ops' quantizer and sparse ops as the CUDA kernels compute them, on CPU tensors."""
 
     def __init__(self, path: Path):
         self._lib = ctypes.CDLL(str(path))
@@ -238,6 +240,61 @@ class Emulator:
         out = _garbage(ops.payload_bytes(numel, bits, block_size))
         args = (residual, numel, bits, block_size, divisor, stochastic, seed, step, rng_offset)
         self._run("emu_dequantize_sum_requantize", p, *p.shape, *args, out)
+        return out
+
+    def topk_compress(
+        self, x, residual, k, approximate=False, seed=0, step=0, value_dtype=None
+    ) -> torch.Tensor:
+        x = x.contiguous()
+        vdtype = torch.float32 if value_dtype is None else value_dtype
+        out = _garbage(ops.topk_payload_bytes(k, vdtype))
+        args = (x.numel(), k, approximate, seed, step, vdtype, out)
+        self._run("emu_topk_compress", x, x.dtype, residual, *args)
+        return out
+
+    def sparse_accumulate(
+        self, payloads, numel, k, divisor, value_dtype, dtype, check=True
+    ) -> torch.Tensor:
+        """With ``check``, a bad row raises the binding's (csrc/cuda/sparse.cpp) RuntimeError
+        from the kernel's verdict, before anything is accumulated."""
+        p = payloads.contiguous()
+        rows = p.shape[0]
+        out = _garbage(numel, dtype)
+        bad = torch.full((max(rows, 1),), 2**31 - 1, dtype=torch.int32) if check else None
+        args = (k, numel, value_dtype, divisor, out, dtype, bad)
+        self._run("emu_sparse_accumulate", p, *p.shape, *args)
+        for r in range(rows if check else 0):
+            if bad[r] != 2**31 - 1:
+                j = int(bad[r])
+                idx = int(p[r, 4 * j : 4 * j + 4].clone().view(torch.int32))
+                raise RuntimeError(
+                    f"sparse_accumulate: payloads row {r} holds index {idx} at position {j}: "
+                    f"indices must be strictly increasing and in [0, numel={numel})"
+                )
+        return out
+
+    def randk_compress(
+        self, x, residual, k, seed, step, bucket, out=None, start=0, end=None
+    ) -> torch.Tensor:
+        """Into ``out`` when given, else into garbage, as the op does: values outside strata
+        [start, end) are left as they are."""
+        x = x.contiguous()
+        out = _garbage(k, torch.float32) if out is None else out
+        strata = (start, k if end is None else end)
+        args = (x.numel(), k, *strata, seed, step, bucket, out)
+        self._run("emu_randk_compress", x, x.dtype, residual, *args)
+        return out
+
+    def randk_decompress(
+        self, values, numel, seed, step, bucket, divisor, dtype, out=None, start=0, end=None
+    ) -> torch.Tensor:
+        """Into ``out`` when given, else into garbage, as the op does: elements outside
+        strata [start, end) are left as they are."""
+        v = values.float().contiguous()
+        out = _garbage(numel, dtype) if out is None else out
+        strata = (start, v.numel() if end is None else end)
+        args = (numel, v.numel(), *strata, seed, step, bucket, divisor, out, dtype)
+        self._run("emu_randk_decompress", v, *args)
         return out
 
 

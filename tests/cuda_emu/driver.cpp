@@ -1,11 +1,14 @@
-// C entry points (for ctypes) over the quantizer launchers of csrc/cuda/launchers.h, called
-// as the torch bindings in csrc/cuda/quantize.cpp call them, on host buffers. Arguments are
+// C entry points (for ctypes) over the launchers of csrc/cuda/launchers.h, called as the torch
+// bindings in csrc/cuda/quantize.cpp and sparse.cpp call them, on host buffers. Arguments are
 // pointers and int64s; each returns the launch status, and emu_failure() says what an
 // emulator check found. A workspace is exactly as large as the launcher asks and filled with
-// 0xFF bytes (NaN floats): device memory starts as garbage.
+// 0xFF bytes (NaN floats, -1 ints): device memory starts as garbage.
 
 #include <cuda_runtime.h>
 
+#include <climits>
+#include <cstdlib>
+#include <memory>
 #include <vector>
 
 #include "cuda/launchers.h"
@@ -17,6 +20,7 @@ namespace {
 
 using ddpcomm::cuda::FloatType;
 using ddpcomm::cuda::PayloadRows;
+using ddpcomm::cuda::SparsePayloads;
 
 std::vector<unsigned char> workspace(int64_t numel, int64_t bits, int64_t block_size,
                                      bool stochastic) {
@@ -27,8 +31,26 @@ std::vector<unsigned char> workspace(int64_t numel, int64_t bits, int64_t block_
 
 void* data_or_null(std::vector<unsigned char>& v) { return v.empty() ? nullptr : v.data(); }
 
+// Device scratch of `bytes` garbage bytes, 256-byte aligned as cudaMalloc's.
+struct Scratch {
+  std::unique_ptr<unsigned char, decltype(&free)> p{nullptr, &free};
+  explicit Scratch(int64_t bytes) {
+    const size_t size = ((size_t)bytes + 255) / 256 * 256;
+    p.reset(static_cast<unsigned char*>(aligned_alloc(256, size > 0 ? size : 256)));
+    memset(p.get(), 0xFF, size > 0 ? size : 256);
+  }
+  template <class T>
+  T* as() const {
+    return reinterpret_cast<T*>(p.get());
+  }
+};
+
 uint64_t rng_key(int64_t seed, int64_t step) {
   return ddpcomm::rng_key((uint64_t)seed, (uint64_t)step);
+}
+
+uint64_t randk_key(int64_t seed, int64_t step, int64_t bucket) {
+  return ddpcomm::randk_key((uint64_t)seed, (uint64_t)step, (uint64_t)bucket);
 }
 
 }  // namespace
@@ -71,4 +93,60 @@ EMU_EXPORT int emu_dequantize_sum_requantize(const uint8_t* payloads, int64_t ro
   return ddpcomm::cuda::launch_dequantize_sum_requantize(p, residual, divisor, stochastic != 0,
                                                          rng_key(seed, step), rng_offset, out,
                                                          data_or_null(ws), nullptr);
+}
+
+EMU_EXPORT int emu_topk_compress(const void* x, int64_t x_type, float* residual, int64_t n,
+                                 int64_t k, int64_t approximate, int64_t seed, int64_t step,
+                                 int64_t value_type, uint8_t* out) {
+  const int64_t samples = ddpcomm::topk_sample_count(n);
+  const int64_t rank = approximate ? ddpcomm::topk_approx_rank(k, n, samples)
+                                   : ddpcomm::topk_exact_rank(k, n, samples);
+  const ddpcomm::cuda::TopkArgs a{x,
+                                  (FloatType)x_type,
+                                  residual,
+                                  n,
+                                  k,
+                                  approximate != 0,
+                                  rng_key(seed, step),
+                                  samples,
+                                  rank,
+                                  ddpcomm::cuda::topk_candidate_capacity(n, samples, rank),
+                                  (FloatType)value_type,
+                                  out};
+  const Scratch ws(ddpcomm::cuda::topk_workspace_bytes(n, a.capacity));
+  return ddpcomm::cuda::launch_topk_compress(a, ws.as<void>(), nullptr);
+}
+
+// bad: nullptr (check=False), or max(rows, 1) int32 that the caller set to INT32_MAX. With
+// it, as the binding does, a row left with a position there stops the call before
+// launch_sparse_accumulate: `out` is not written and the caller raises.
+EMU_EXPORT int emu_sparse_accumulate(const uint8_t* payloads, int64_t rows, int64_t row_bytes,
+                                     int64_t k, int64_t numel, int64_t value_type, int64_t divisor,
+                                     void* out, int64_t out_type, int32_t* bad) {
+  const SparsePayloads p{payloads, rows, row_bytes, k, numel, (FloatType)value_type};
+  const Scratch start(4 * rows * (ddpcomm::cuda::sparse_tiles(numel) + 1));
+  const int status = ddpcomm::cuda::launch_sparse_index(p, bad, start.as<int32_t>(), nullptr);
+  if (status != 0) return status;
+  for (int64_t r = 0; bad != nullptr && r < rows; ++r) {
+    if (bad[r] != INT_MAX) return 0;
+  }
+  return ddpcomm::cuda::launch_sparse_accumulate(p, start.as<int32_t>(), divisor, out,
+                                                 (FloatType)out_type, nullptr);
+}
+
+EMU_EXPORT int emu_randk_compress(const void* x, int64_t x_type, float* residual, int64_t n,
+                                  int64_t k, int64_t start, int64_t end, int64_t seed, int64_t step,
+                                  int64_t bucket, float* values) {
+  const Scratch flag(sizeof(int));
+  return ddpcomm::cuda::launch_randk_compress(x, (FloatType)x_type, residual, n, k, start, end,
+                                              randk_key(seed, step, bucket), values, flag.as<int>(),
+                                              nullptr);
+}
+
+EMU_EXPORT int emu_randk_decompress(const float* values, int64_t numel, int64_t k, int64_t start,
+                                    int64_t end, int64_t seed, int64_t step, int64_t bucket,
+                                    int64_t divisor, void* out, int64_t out_type) {
+  return ddpcomm::cuda::launch_randk_decompress(values, numel, k, start, end,
+                                                randk_key(seed, step, bucket), divisor, out,
+                                                (FloatType)out_type, nullptr);
 }

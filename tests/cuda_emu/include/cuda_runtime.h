@@ -16,9 +16,10 @@
 //
 // What it cannot check: the hardware memory model (no caches, no reordering, every write seen
 // at once); races other than those that the order of whole segments exposes (threads never
-// interleave inside a segment); timing; register and occupancy limits; out-of-bounds
-// accesses; math functions that are not exact on both sides (host libm is called). A builtin
-// that is not defined here fails to compile: add it here, with its exact CUDA semantics.
+// interleave inside a segment, CTAs never overlap); timing; register and occupancy limits;
+// out-of-bounds accesses; math functions that are not exact on both sides (host libm is
+// called). A builtin that is not defined here fails to compile: add it here, with its exact
+// CUDA semantics.
 #pragma once
 
 #include <math.h>
@@ -70,7 +71,7 @@ extern dim3 block_dim, grid_dim;
 void fail(const char* what);
 void cta_barrier(const void* site);
 void warp_barrier();
-extern uint32_t warp_lanes[32][32];  // [warp][lane]: values a warp intrinsic exchanges
+extern uint64_t warp_lanes[32][32];  // [warp][lane]: values a warp intrinsic exchanges
 // Every thread calls this at each __shared__ declaration (the rewritten kernel source does).
 void shared_declared(void* p, size_t bytes);
 // False where the launch must not run (its error is then pending).
@@ -106,6 +107,7 @@ inline uint32_t __float_as_uint(float f) {
   memcpy(&u, &f, 4);
   return u;
 }
+inline float __int_as_float(int32_t i) { return __uint_as_float((uint32_t)i); }
 inline int __popc(uint32_t v) { return __builtin_popcount(v); }
 inline int __clz(uint32_t v) { return v ? __builtin_clz(v) : 32; }
 inline uint32_t __brev(uint32_t v) {
@@ -128,7 +130,8 @@ inline T min(T a, T b) {
 inline float max(float a, float b) { return fmaxf(a, b); }
 inline float min(float a, float b) { return fminf(a, b); }
 
-// ---- atomics: one OS thread runs the CTA, so a plain read-modify-write is atomic ----------
+// ---- atomics: CTAs run one after another and a CTA's threads one at a time, so a plain
+// read-modify-write is atomic, in shared and in global memory -----------------------------
 template <class T>
 inline T atomicAdd(T* p, T v) {
   const T old = *p;
@@ -141,25 +144,46 @@ inline T atomicOr(T* p, T v) {
   *p = old | v;
   return old;
 }
+template <class T, class = std::enable_if_t<std::is_integral_v<T>>>
+inline T atomicMin(T* p, T v) {
+  const T old = *p;
+  *p = v < old ? v : old;
+  return old;
+}
 
-// ---- warp shuffles: every lane of the warp takes part, with a full mask -----------------
+// Device memory is host memory here; the stream's order is the call order.
+inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t = nullptr) {
+  memset(p, value, bytes);
+  return cudaSuccess;
+}
+
+// ---- warp intrinsics: every lane of the warp takes part, with a full mask ---------------
 namespace emu {
+// Publishes the calling lane's `bits` to its warp, waits for all 32 lanes, and returns the
+// warp's row of warp_lanes; the caller reads it, then calls warp_done().
+inline const uint64_t* warp_exchange(unsigned mask, uint64_t bits, const char* what) {
+  if (mask != 0xffffffffu) fail(what);
+  if (block_dim.x % 32 != 0) fail("warp intrinsic in a CTA of a partial warp");
+  const unsigned warp = thread_idx.x >> 5;
+  warp_lanes[warp][thread_idx.x & 31] = bits;
+  warp_barrier();
+  return warp_lanes[warp];
+}
+// Every lane has read the exchange: the row may be written again.
+inline void warp_done() { warp_barrier(); }
+
 // Lane `src` of the calling warp's `v`, or the caller's own where src is out of [0, 32).
 template <class T>
 inline T shuffle(unsigned mask, T v, int src, int width) {
-  static_assert(sizeof(T) == 4, "32-bit shuffles only");
-  if (mask != 0xffffffffu) fail("warp shuffle with a partial mask");
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "32- and 64-bit shuffles only");
   if (width != 32) fail("warp shuffle with a width other than 32");
-  if (block_dim.x % 32 != 0) fail("warp shuffle in a CTA of a partial warp");
-  const unsigned lane = thread_idx.x & 31, warp = thread_idx.x >> 5;
-  uint32_t bits;
-  memcpy(&bits, &v, 4);
-  warp_lanes[warp][lane] = bits;
-  warp_barrier();
-  const uint32_t got = src >= 0 && src < 32 ? warp_lanes[warp][src] : bits;
-  warp_barrier();
+  uint64_t bits = 0;
+  memcpy(&bits, &v, sizeof(T));
+  const uint64_t* lanes = warp_exchange(mask, bits, "warp shuffle with a partial mask");
+  const uint64_t got = src >= 0 && src < 32 ? lanes[src] : bits;
+  warp_done();
   T r;
-  memcpy(&r, &got, 4);
+  memcpy(&r, &got, sizeof(T));
   return r;
 }
 }  // namespace emu
@@ -172,6 +196,15 @@ template <class T>
 inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
   return emu::shuffle(mask, v, (int)(threadIdx.x & 31) ^ lane_mask, width);
 }
+// Bit l set where lane l's predicate is non-zero.
+inline unsigned __ballot_sync(unsigned mask, int predicate) {
+  const uint64_t* lanes = emu::warp_exchange(mask, predicate != 0, "warp vote with a partial mask");
+  unsigned r = 0;
+  for (int l = 0; l < 32; ++l) r |= (unsigned)lanes[l] << l;
+  emu::warp_done();
+  return r;
+}
+inline int __any_sync(unsigned mask, int predicate) { return __ballot_sync(mask, predicate) != 0; }
 
 // ---- launches: the kernel source's `k<<<grid, block, smem, stream>>>(args)` is rewritten
 // to `::emu::launch(k, grid, block, smem, stream)(args)` ----------------------------------
