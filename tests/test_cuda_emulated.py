@@ -1,6 +1,6 @@
-"""The CUDA quantizer and sparsification kernels (csrc/cuda/ternary_kernels.cu,
-quantize_kernels.cu, sparse_kernels.cu) run on the CPU under tests/cuda_emu, bit for bit against
-the CPU ops, on every machine, GPU or not.
+"""The CUDA quantizer, sparsification and flatten kernels (csrc/cuda/ternary_kernels.cu,
+quantize_kernels.cu, sparse_kernels.cu, flatten_kernels.cu) run on the CPU under tests/cuda_emu,
+bit for bit against the CPU ops, on every machine, GPU or not.
 
 The emulation runs the kernels' own code with shuffled thread orders, garbage in shared memory
 and workspaces, and checks barriers and warp intrinsics (tests/cuda_emu/include/cuda_runtime.h
@@ -8,7 +8,9 @@ lists what it checks and what it cannot). q1.5's cases aim at its hard paths: th
 ties, blocks over several CTAs, non-finite and extreme values; the quantizer's at its three
 encode paths. Top-k's cases take each of its device-chosen paths (compacted candidates, every
 entry, candidates padded) with ties, NaN and Inf; sparse_accumulate's cross tiles with unaligned
-rows and refuses malformed ones as the CPU op does; random-k's cover strata ranges. The last
+rows and refuses malformed ones as the CPU op does; random-k's cover strata ranges. Flatten's
+copy lists of every dtype, with pieces at every alignment, into an ``out`` at an offset and back,
+and lists of thousands of entries over several launches (one with nothing to copy). The last
 tests plant bugs in a copy of the source and expect them found.
 """
 
@@ -20,6 +22,8 @@ import torch
 from ddpcomm import ops
 from tests import cuda_emu
 from tests.cuda_utils import DTYPES, assert_same_bits, assert_same_bytes
+from tests.test_ops_flatten import DTYPES as FLATTEN_DTYPES
+from tests.test_ops_flatten import _destinations, _mixed_list, _random
 from tests.test_ops_quantize import _input, gradient_like, random_payload_rows, residual_like
 from tests.test_ops_sparse import (
     _sample_misses,
@@ -406,6 +410,102 @@ def test_randk_non_finite_poisons_its_own_strata(emu):
 
 
 # --------------------------------------------------------------------------------------
+# flatten, flatten_into, unflatten_into (flatten_kernels.cu)
+# --------------------------------------------------------------------------------------
+
+
+def carved(dtype: torch.dtype, sizes: list[int], seed: int) -> list[torch.Tensor]:
+    """Contiguous tensors of ``sizes`` elements, cut out of one buffer with gaps of 0 to 5
+    elements between them: their addresses meet the flat buffer's at every alignment the
+    dtype allows, and a write outside them shows in the buffer (``t._base``)."""
+    g = torch.Generator().manual_seed(seed)
+    gaps = torch.randint(0, 6, (len(sizes),), generator=g).tolist()
+    buf = _random((sum(sizes) + sum(gaps) + 5,), dtype, g)
+    tensors, at = [], 0
+    for n, gap in zip(sizes, gaps, strict=True):
+        tensors.append(buf[at + gap : at + gap + n])
+        at += gap + n
+    return tensors
+
+
+def check_flatten(emu, tensors: list[torch.Tensor], dtype: torch.dtype, shift: int) -> None:
+    """flatten_into an ``out`` that starts ``shift`` elements into a garbage buffer: ``out``
+    holds the CPU op's bytes, the buffer around it is untouched."""
+    total = sum(t.numel() for t in tensors)
+    buf = cuda_emu._garbage(total + shift + 3, dtype)
+    want = buf.view(torch.uint8).clone().view(dtype)  # a bool clone would make 0xCD 0x01
+    ops.flatten(tensors, out=want[shift : shift + total])
+    out = buf[shift : shift + total]
+    assert emu.flatten(tensors, out=out) is out
+    assert_same_bytes(buf, want)
+
+
+def check_unflatten(emu, make, flat: torch.Tensor) -> None:
+    """unflatten_into two lists of ``make()``'s (equal values, own storage): the emulator's
+    and the CPU op's hold the same bytes, and so do the buffers of their views."""
+    got, want = make(), make()
+    emu.unflatten_into(flat, got)
+    ops.unflatten_into(flat, want)
+    for a, b in zip(got, want, strict=True):
+        assert_same_bytes(a, b)
+    bases = {
+        id(a._base): (a._base, b._base)
+        for a, b in zip(got, want, strict=True)
+        if a._base is not None
+    }
+    for a, b in bases.values():
+        assert_same_bytes(a, b)
+
+
+@pytest.mark.parametrize("dtype", FLATTEN_DTYPES, ids=str)
+def test_flatten(emu, dtype):
+    # test_ops_flatten's lists: odd sizes up to 278011, empty and 0-dim tensors, views that
+    # take the binding's strided copy; into a garbage result, then into a shifted ``out``.
+    tensors = _mixed_list(dtype, seed=1)
+    assert_same_bytes(emu.flatten(tensors), ops.flatten(tensors))
+    check_flatten(emu, tensors, dtype, 3)
+    total = sum(t.numel() for t in _destinations(dtype, 2))
+    flat = _random((total,), dtype, torch.Generator().manual_seed(3))
+    check_unflatten(emu, lambda: _destinations(dtype, 2), flat)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.uint8, torch.float16, torch.float32, torch.complex64], ids=str
+)
+def test_flatten_at_every_alignment(emu, dtype):
+    # Pieces a byte to a few KB long, at every offset from the flat buffer modulo 16 bytes:
+    # every copy width (16 to 1 bytes) with its head and tail.
+    g = torch.Generator().manual_seed(4)
+    sizes = torch.randint(0, 40, (60,), generator=g).tolist()
+    sizes += torch.randint(0, 3000, (20,), generator=g).tolist()
+    tensors = carved(dtype, sizes, seed=5)
+    for shift in range(16 // dtype.itemsize):
+        check_flatten(emu, tensors, dtype, shift)
+    flat = ops.flatten(tensors)
+    check_unflatten(emu, lambda: carved(dtype, sizes, seed=6), flat)
+
+
+def many_entries(seed: int) -> list[int]:
+    """Sizes of 5409 entries of up to 40 elements, four launches of up to 1800 entries: the
+    first's pieces span CTAs of 32 KB (about 72 KB in fp32), the second's are all empty (a
+    launch with nothing to copy), then a full one and a short one."""
+    g = torch.Generator().manual_seed(seed)
+
+    def sizes(n: int) -> list[int]:
+        return torch.randint(0, 41, (n,), generator=g).tolist()
+
+    return sizes(1800) + [0] * 1800 + sizes(1809)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float32], ids=str)
+def test_flatten_many_entries(emu, dtype):
+    sizes = many_entries(7)
+    tensors = carved(dtype, sizes, seed=8)
+    check_flatten(emu, tensors, dtype, 1)
+    check_unflatten(emu, lambda: carved(dtype, sizes, seed=9), ops.flatten(tensors))
+
+
+# --------------------------------------------------------------------------------------
 # The emulator finds bugs
 # --------------------------------------------------------------------------------------
 
@@ -413,7 +513,8 @@ def test_randk_non_finite_poisons_its_own_strata(emu):
 # run: q1.5's encode clears its sign words only from B = 64 up (at B = 32 a record then
 # carries the shared memory's old bits); q1.5's decode threads past the payload leave before
 # the CTA's scan; sparse_accumulate adds a row without waiting for the zero fill and the row
-# before (a race between threads).
+# before (a race between threads); flatten's launcher puts 1799 entries in each launch of
+# 1800 (the last one is never copied).
 PLANTED = (
     (
         "sparse_kernels.cu",
@@ -425,6 +526,11 @@ PLANTED = (
         "ternary_kernels.cu",
         "const bool live = word * kWord < p.n;\n",
         "const bool live = word * kWord < p.n;\n  if (!live) return;\n",
+    ),
+    (
+        "flatten_kernels.cu",
+        "count - first < kMaxEntries ? count - first : kMaxEntries",
+        "count - first < kMaxEntries ? count - first : kMaxEntries - 1",
     ),
 )
 
@@ -451,3 +557,9 @@ def test_a_planted_race_is_found():
     args = (n, k, 1, torch.float32, torch.float32)
     with pytest.raises(AssertionError, match="values differ"):
         assert_same_bits(buggy.sparse_accumulate(rows, *args), ops.sparse_accumulate(rows, *args))
+
+
+def test_a_planted_lost_entry_is_found():
+    buggy = cuda_emu.load(PLANTED)
+    with pytest.raises(AssertionError, match="bytes differ"):
+        check_flatten(buggy, carved(torch.float32, [3] * 1801, seed=10), torch.float32, 0)

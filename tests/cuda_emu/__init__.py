@@ -1,12 +1,12 @@
-"""csrc/cuda's quantizer and sparsification kernels compiled for the CPU, and ctypes bindings
-that run them.
+"""csrc/cuda's quantizer, sparsification and flatten kernels compiled for the CPU, and ctypes
+bindings that run them.
 
 The kernel files run under a host emulation of CUDA CTAs (include/cuda_runtime.h states what
 it checks and what it cannot). :func:`load` rewrites their launches and ``__shared__``
 declarations for it (:func:`rewrite`), compiles them with g++ into build/cuda-emu/ under a
 hash of every input (later runs reuse the library), and returns an :class:`Emulator`, whose
-methods take the arguments of ddpcomm.ops' quantizer and sparse ops and return what the CUDA
-ops would.
+methods take the arguments of ddpcomm.ops' quantizer, sparse and flatten ops and return (or
+write) what the CUDA ops would.
 
 A failed build raises :class:`BuildError` with the compiler's output: tests fail, never skip.
 
@@ -37,7 +37,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 CSRC = ROOT / "csrc"
 CACHE = ROOT / "build" / "cuda-emu"
-KERNEL_FILES = ("ternary_kernels.cu", "quantize_kernels.cu", "sparse_kernels.cu")
+KERNEL_FILES = (
+    "ternary_kernels.cu",
+    "quantize_kernels.cu",
+    "sparse_kernels.cu",
+    "flatten_kernels.cu",
+)
 # Host float arithmetic as the device's under nvcc --fmad=false: no contraction, no fast math.
 FLAGS = ("-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math")
 WARNINGS = ("-Wall", "-Wextra", "-Wno-unknown-pragmas")  # #pragma unroll is nvcc's
@@ -192,7 +197,8 @@ def _garbage(n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
 
 
 class Emulator:
-    """ddpcomm.ops' quantizer and sparse ops as the CUDA kernels compute them, on CPU tensors."""
+    """ddpcomm.ops' quantizer, sparse and flatten ops as the CUDA kernels compute them, on CPU
+    tensors."""
 
     def __init__(self, path: Path):
         self._lib = ctypes.CDLL(str(path))
@@ -296,6 +302,42 @@ class Emulator:
         args = (numel, v.numel(), *strata, seed, step, bucket, divisor, out, dtype)
         self._run("emu_randk_decompress", v, *args)
         return out
+
+    def flatten(self, tensors, out=None) -> torch.Tensor:
+        """flatten into garbage, or flatten_into ``out`` when given (and returned)."""
+        if out is None:
+            out = _garbage(sum(t.numel() for t in tensors), tensors[0].dtype)
+        self._copy_list(out, tensors, to_flat=True)
+        return out
+
+    def unflatten_into(self, flat, tensors) -> None:
+        self._copy_list(flat, tensors, to_flat=False)
+
+    def _copy_list(self, flat, tensors, to_flat: bool) -> None:
+        """csrc/cuda/flatten.cpp's copy_list: the entries that are one run of bytes
+        (csrc/flatten.h is_byte_copyable) in one launcher call, then the others by torch's
+        strided copy."""
+        offsets = [0]
+        for t in tensors:
+            offsets.append(offsets[-1] + t.numel() * t.element_size())
+        runs = [
+            t.numel() > 0 and t.is_contiguous() and not (t.is_conj() or t.is_neg()) for t in tensors
+        ]
+        ptrs = torch.tensor(
+            [t.data_ptr() if r else 0 for t, r in zip(tensors, runs, strict=True)],
+            dtype=torch.int64,
+        )
+        if offsets[-1] > 0:
+            args = (len(tensors), ptrs, torch.tensor(offsets), to_flat)
+            self._run("emu_multi_tensor_copy", flat, *args)
+        for t, r, offset in zip(tensors, runs, offsets[:-1], strict=True):
+            if t.numel() == 0 or r:
+                continue
+            piece = flat.narrow(0, offset // t.element_size(), t.numel()).view(t.shape)
+            if to_flat:
+                piece.copy_(t)
+            else:
+                t.copy_(piece)
 
 
 @functools.cache

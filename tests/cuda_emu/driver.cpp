@@ -1,8 +1,8 @@
 // C entry points (for ctypes) over the launchers of csrc/cuda/launchers.h, called as the torch
-// bindings in csrc/cuda/quantize.cpp and sparse.cpp call them, on host buffers. Arguments are
-// pointers and int64s; each returns the launch status, and emu_failure() says what an
-// emulator check found. A workspace is exactly as large as the launcher asks and filled with
-// 0xFF bytes (NaN floats, -1 ints): device memory starts as garbage.
+// bindings in csrc/cuda/quantize.cpp, sparse.cpp and flatten.cpp call them, on host buffers.
+// Arguments are pointers and int64s; each returns the launch status, and emu_failure() says
+// what an emulator check found. A workspace is exactly as large as the launcher asks and
+// filled with 0xFF bytes (NaN floats, -1 ints): device memory starts as garbage.
 
 #include <cuda_runtime.h>
 
@@ -149,4 +149,11 @@ EMU_EXPORT int emu_randk_decompress(const float* values, int64_t numel, int64_t 
   return ddpcomm::cuda::launch_randk_decompress(values, numel, k, start, end,
                                                 randk_key(seed, step, bucket), divisor, out,
                                                 (FloatType)out_type, nullptr);
+}
+
+// flatten.cpp's copy_list: ptrs[i] is nullptr for an entry it copies another way (empty, or
+// not one run of bytes); offsets are its byte_offsets, count + 1 of them.
+EMU_EXPORT int emu_multi_tensor_copy(uint8_t* flat, int64_t count, void* const* ptrs,
+                                     const int64_t* offsets, int64_t to_flat) {
+  return ddpcomm::cuda::launch_multi_tensor_copy(flat, count, ptrs, offsets, to_flat != 0, nullptr);
 }

@@ -12,14 +12,16 @@
 // contraction off, which is CUDA's with --fmad=false and its default precise division and
 // square root); barrier discipline (all threads of the CTA reach the same __syncthreads, none
 // exits while others wait, no deadlock); that every lane takes part in a warp intrinsic, with
-// a full mask; launch dimensions; and each kernel's static shared memory (48 KB at most).
+// a full mask; launch dimensions; each kernel's static shared memory (48 KB at most); and, at
+// compile time, its parameters (32764 bytes at most: CUDART_VERSION below is a 12.1+
+// toolkit's, whose limit that is, so kernel files take the paths such a toolkit builds).
 //
 // What it cannot check: the hardware memory model (no caches, no reordering, every write seen
 // at once); races other than those that the order of whole segments exposes (threads never
 // interleave inside a segment, CTAs never overlap); timing; register and occupancy limits;
-// out-of-bounds accesses; math functions that are not exact on both sides (host libm is
-// called). A builtin that is not defined here fails to compile: add it here, with its exact
-// CUDA semantics.
+// out-of-bounds and misaligned accesses; math functions that are not exact on both sides
+// (host libm is called). A builtin that is not defined here fails to compile: add it here,
+// with its exact CUDA semantics.
 #pragma once
 
 #include <math.h>
@@ -39,6 +41,8 @@
 #define __launch_bounds__(...)
 #define __shared__ static
 
+#define CUDART_VERSION 12080  // CUDA 12.8
+
 struct dim3 {
   unsigned x, y, z;
   constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
@@ -47,6 +51,9 @@ using uint3 = dim3;
 
 struct alignas(16) float4 {
   float x, y, z, w;
+};
+struct alignas(8) uint2 {
+  unsigned x, y;
 };
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
@@ -209,6 +216,16 @@ inline int __any_sync(unsigned mask, int predicate) { return __ballot_sync(mask,
 // ---- launches: the kernel source's `k<<<grid, block, smem, stream>>>(args)` is rewritten
 // to `::emu::launch(k, grid, block, smem, stream)(args)` ----------------------------------
 namespace emu {
+constexpr size_t kMaxParamBytes = 32764;
+
+// Bytes of a kernel's parameter buffer: each parameter at its alignment, in order.
+template <class... P>
+constexpr size_t param_bytes() {
+  size_t n = 0;
+  ((n = (n + alignof(P) - 1) / alignof(P) * alignof(P) + sizeof(P)), ...);
+  return n;
+}
+
 template <class... P>
 struct Launch {
   void (*kernel)(P...);
@@ -216,6 +233,8 @@ struct Launch {
   size_t dynamic_shared;
   template <class... A>
   void operator()(A&&... args) const {
+    static_assert(param_bytes<std::decay_t<P>...>() <= kMaxParamBytes,
+                  "the kernel's parameters exceed 32764 bytes (nvcc refuses them)");
     if (!begin_launch((const void*)kernel, grid, block, dynamic_shared)) return;
     // Each thread's call copies the parameters, as each CUDA thread has its own.
     const std::tuple<std::decay_t<P>...> params(std::forward<A>(args)...);
