@@ -104,8 +104,7 @@ LANES_INLINE void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // Float comparisons lane by lane, as 0 / -1 masks. Without AVX gcc makes an 8-lane float
 // comparison a scalar compare and set per lane (q1 quantize at 2.2 ns an element on one
-// thread, 9x the x86-64-v3 kernels' time), so there each half is one SSE compare. Integer
-// comparisons need no such help.
+// thread, 9x the x86-64-v3 kernels' time), so there each half is one SSE compare.
 #if DDPCOMM_HAVE_AVX2
 LANES_INLINE i32x8 lt8(f32x8 a, f32x8 b) { return a < b; }
 LANES_INLINE i32x8 ne8(f32x8 a, f32x8 b) { return a != b; }
@@ -135,7 +134,14 @@ LANES_INLINE i32x8 gt8(f32x8 a, f32x8 b) { return lt8(b, a); }
 // canonical() lane by lane.
 LANES_INLINE f32x8 canonical8(f32x8 v) {
   const f32x8 nan = (f32x8)((u32x8){} + kCanonicalNanF32);
+#if DDPCOMM_HAVE_AVX2
   return ne8(v, v) ? nan : v;
+#else
+  // Without AVX gcc makes an 8-lane select a test and branch per lane (dequantize_sum q1 at
+  // 41 ms for 64 MB on one thread): the lanes are picked with and, andnot and or instead.
+  const u32x8 is_nan = (u32x8)ne8(v, v);
+  return (f32x8)((is_nan & (u32x8)nan) | (~is_nan & (u32x8)v));
+#endif
 }
 
 // A block record's magnitude and packed codes.
@@ -151,12 +157,53 @@ struct Record {
 constexpr int64_t kGroup = 32;
 constexpr int kSub = kGroup / kLanes;
 
+#if !DDPCOMM_HAVE_AVX2 && defined(__SSE2__)
+// The 8 lanes of two 4-lane halves.
+template <class Half>
+LANES_INLINE u32x8 join8(Half lo, Half hi) {
+  const Half h[2] = {lo, hi};
+  u32x8 v;
+  std::memcpy(&v, h, sizeof(v));
+  return v;
+}
+
+// m * v. gcc copies m into the 8 lanes with eight stores and two 16-byte loads, which stall on
+// store forwarding (dequantize_sum q2 at 23 ms for 64 MB on one thread, 6x AVX2).
+LANES_INLINE f32x8 times8(float m, f32x8 v) {
+  const __m128 h = _mm_set1_ps(m);
+  return (f32x8)join8(h, h) * v;
+}
+#else
+LANES_INLINE f32x8 times8(float m, f32x8 v) { return m * v; }
+#endif
+
+#if !DDPCOMM_HAVE_AVX2 && defined(__SSE2__)
+// level_value of each 2- or 4-bit code of a byte, low bits first (level_value is not
+// constexpr: its expression is repeated here).
+template <int kBits>
+alignas(16) constexpr auto kByteLevels = [] {
+  constexpr int L = (1 << (kBits - 1)) - 1, per_byte = 8 / kBits;
+  std::array<std::array<float, per_byte>, 256> t{};
+  for (int b = 0; b < 256; ++b) {
+    for (int i = 0; i < per_byte; ++i)
+      t[b][i] = (float)(((b >> (kBits * i)) & ((1 << kBits) - 1)) - L) / (float)L;
+  }
+  return t;
+}();
+#endif
+
 // Lane t of 8 unsigned bytes.
 LANES_INLINE u32x8 widen8(const uint8_t* p) {
 #if DDPCOMM_HAVE_AVX2
   // gcc lowers __builtin_convertvector from 8 bytes to 8 scalar moves and inserts (q8's
   // dequantize_sum at 30% of a copy); vpmovzxbd is one instruction.
   return (u32x8)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__SSE2__)
+  // A shift per lane by its own count is scalar code in SSE2 (q8's dequantize_sum at 47 ms
+  // for 64 MB on one thread, 10x AVX2): the bytes are unpacked against zero instead.
+  const __m128i zero = _mm_setzero_si128();
+  const __m128i w16 = _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), zero);
+  return join8(_mm_unpacklo_epi16(w16, zero), _mm_unpackhi_epi16(w16, zero));
 #else
   uint32_t w[2];
   std::memcpy(w, p, sizeof(w));
@@ -198,17 +245,47 @@ LANES_INLINE void decode_group(const Record& r, int64_t q, f32x8 (&v)[kSub]) {
   if constexpr (kBits == 1) {
     uint32_t w;
     std::memcpy(&w, p, sizeof(w));
+#if !DDPCOMM_HAVE_AVX2 && defined(__SSE2__)
+    // A shift per lane by its own count is scalar code in SSE2 (dequantize_sum q1 at 47 ms
+    // for 64 MB on one thread, 20x AVX2): each lane tests its bit with an and and a compare.
+    // (gcc makes the 8-lane compare scalar too, hence the halves.)
+    const __m128i word = _mm_set1_epi32((int)w), m = _mm_set1_epi32((int)float_bits(r.m));
+    auto half = [&](int first) {
+      const __m128i bit = _mm_slli_epi32(_mm_setr_epi32(1, 2, 4, 8), first);
+      const __m128i clear = _mm_cmpeq_epi32(_mm_and_si128(word, bit), _mm_setzero_si128());
+      return _mm_xor_si128(m, _mm_and_si128(clear, _mm_set1_epi32((int)0x80000000u)));
+    };
+    for (int s = 0; s < kSub; ++s) v[s] = (f32x8)join8(half(8 * s), half(8 * s + 4));
+#else
     const u32x8 up = {31, 30, 29, 28, 27, 26, 25, 24};
     for (int s = 0; s < kSub; ++s) {
       const u32x8 flip = ~(w << (up - 8 * s)) & 0x80000000u;
       v[s] = (f32x8)(float_bits(r.m) ^ flip);
     }
+#endif
   } else if constexpr (kBits == 8) {
     for (int s = 0; s < kSub; ++s) {
       const i32x8 k = (i32x8)widen8(p + kLanes * s) - max_level(kBits);
-      v[s] = r.m * (__builtin_convertvector(k, f32x8) / (float)max_level(kBits));
+      v[s] = times8(r.m, __builtin_convertvector(k, f32x8) / (float)max_level(kBits));
     }
   } else {
+#if !DDPCOMM_HAVE_AVX2 && defined(__SSE2__)
+    // Per-lane shifts and variable shuffles are scalar code in SSE2 (dequantize_sum q4 at
+    // 122 ms for 64 MB on one thread, 24x AVX2): each byte of codes loads its levels from a
+    // table instead, 4 (2-bit) or 2 (4-bit) lanes at a time.
+    auto levels = [](uint8_t b) {
+      const float* t = kByteLevels<kBits>[b].data();
+      return kBits == 2 ? _mm_castps_si128(_mm_load_ps(t))
+                        : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t));
+    };
+    auto half = [&](const uint8_t* b) {
+      return kBits == 2 ? levels(b[0]) : _mm_unpacklo_epi64(levels(b[0]), levels(b[1]));
+    };
+    for (int s = 0; s < kSub; ++s) {
+      const uint8_t* b = p + kBits * s;
+      v[s] = times8(r.m, (f32x8)join8(half(b), half(b + kBits / 2)));
+    }
+#else
     uint32_t w[kBits];
     std::memcpy(w, p, sizeof(w));
     const u32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
@@ -222,6 +299,7 @@ LANES_INLINE void decode_group(const Record& r, int64_t q, f32x8 (&v)[kSub]) {
       const u32x8 c = word >> ((lane + kLanes * s) * kBits % 32);  // code in the low kBits
       v[s] = r.m * lookup16<kBits>(lo, hi, c);
     }
+#endif
   }
 }
 
