@@ -51,29 +51,29 @@ LANES_INLINE int64_t pack8(uint32_t* dst, u32x8 k8, uint32_t mask) {
 // kept) is negative. bmi2: fast_bmi2().
 LANES_INLINE uint32_t kept_signs(const float* e, uint32_t keep, bool bmi2) {
 #if DDPCOMM_HAVE_AVX2
-  if (bmi2) {
-    uint32_t neg = 0;
+  if (!bmi2) {
+    uint32_t signs = 0;
+    int at = 0;
     for (int sub = 0; sub < kWordSub; ++sub) {
-      neg |= lane_mask(lt8(load8(e + kLanes * sub), f32x8{})) << (kLanes * sub);
+      const uint32_t mask = (keep >> (kLanes * sub)) & 0xFFu;
+      const int n = __builtin_popcount(mask);
+      const uint32_t packed = lane_mask(compact8(lt8(load8(e + kLanes * sub), f32x8{}), mask));
+      signs |= (packed & ((1u << n) - 1u)) << at;
+      at += n;
     }
-    return _pext_u32(neg, keep);
+    return signs;
   }
-  uint32_t signs = 0;
-  int at = 0;
-  for (int sub = 0; sub < kWordSub; ++sub) {
-    const uint32_t mask = (keep >> (kLanes * sub)) & 0xFFu;
-    const int n = __builtin_popcount(mask);
-    const uint32_t packed = lane_mask(compact8(lt8(load8(e + kLanes * sub), f32x8{}), mask));
-    signs |= (packed & ((1u << n) - 1u)) << at;
-    at += n;
-  }
-  return signs;
 #else
   (void)bmi2;
-  uint32_t neg = 0, signs = 0;
+#endif
+  uint32_t neg = 0;
   for (int sub = 0; sub < kWordSub; ++sub) {
     neg |= lane_mask(lt8(load8(e + kLanes * sub), f32x8{})) << (kLanes * sub);
   }
+#if DDPCOMM_HAVE_AVX2
+  return _pext_u32(neg, keep);
+#else
+  uint32_t signs = 0;
   for (int i = 0; keep != 0; keep &= keep - 1, ++i) {
     signs |= ((neg >> __builtin_ctz(keep)) & 1u) << i;
   }
@@ -85,28 +85,25 @@ LANES_INLINE uint32_t kept_signs(const float* e, uint32_t keep, bool bmi2) {
 // vector, from w, whose bit i is the i-th kept element's; lanes not kept hold anything.
 LANES_INLINE void word_signs(uint32_t w, uint32_t keep, bool bmi2, u32x8 (&sign)[kWordSub]) {
 #if DDPCOMM_HAVE_AVX2
-  if (bmi2) {
-    const u32x8 negative = (u32x8){} + _pdep_u32(w, keep);
+  if (!bmi2) {
     for (int sub = 0; sub < kWordSub; ++sub) {
-      sign[sub] = (u32x8)word_lanes(negative, sub) & 0x80000000u;
+      const uint32_t mask = (keep >> (kLanes * sub)) & 0xFFu;
+      const u32x8 rank = (u32x8)lane_row(kLaneTables.rank, mask);
+      sign[sub] = (((u32x8){} + w) >> rank) << 31;
+      w >>= __builtin_popcount(mask);
     }
     return;
   }
-  for (int sub = 0; sub < kWordSub; ++sub) {
-    const uint32_t mask = (keep >> (kLanes * sub)) & 0xFFu;
-    const u32x8 rank = (u32x8)lane_row(kLaneTables.rank, mask);
-    sign[sub] = (((u32x8){} + w) >> rank) << 31;
-    w >>= __builtin_popcount(mask);
-  }
+  const uint32_t neg = _pdep_u32(w, keep);
 #else
   (void)bmi2;
   uint32_t neg = 0;
   for (uint32_t m = keep; m != 0; m &= m - 1, w >>= 1) neg |= (w & 1u) ? (m & (0u - m)) : 0u;
+#endif
   const u32x8 negative = (u32x8){} + neg;
   for (int sub = 0; sub < kWordSub; ++sub) {
     sign[sub] = (u32x8)word_lanes(negative, sub) & 0x80000000u;
   }
-#endif
 }
 
 // The lowest n (>= 0) set bits of x.
