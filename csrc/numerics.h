@@ -110,7 +110,7 @@ decltype(auto) with_bits(int bits, F&& f) {
 
 // Largest code magnitude of the symmetric b-bit quantizer (b >= 2): codes lie in
 // [-L, L] and are stored as code + L. q8: 127, q4: 7, q2: 1 (ternary).
-DDPC_HD int max_level(int bits) { return (1 << (bits - 1)) - 1; }
+constexpr DDPC_HD int max_level(int bits) { return (1 << (bits - 1)) - 1; }
 
 DDPC_HD bool is_finite(float x) { return x - x == 0.0f; }
 
@@ -166,7 +166,7 @@ DDPC_HD float mean_magnitude(int bits, float absmax, float abs_sum, int64_t vali
 }
 
 // k / L for signed code k = code - L; kernels tabulate it once per launch.
-DDPC_HD float level_value(uint32_t code, int bits) {
+constexpr DDPC_HD float level_value(uint32_t code, int bits) {
   return (float)((int)code - max_level(bits)) / (float)max_level(bits);
 }
 

@@ -112,15 +112,21 @@ LANES_INLINE i32x8 ne8(f32x8 a, f32x8 b) { return a != b; }
 typedef float f32x4 __attribute__((vector_size(16)));
 typedef int32_t i32x4 __attribute__((vector_size(16)));
 
+// The 8 lanes of two 4-lane halves.
+template <class Half>
+LANES_INLINE u32x8 join8(Half lo, Half hi) {
+  const Half h[2] = {lo, hi};
+  u32x8 v;
+  std::memcpy(&v, h, sizeof(v));
+  return v;
+}
+
 template <class Compare>
 LANES_INLINE i32x8 by_halves(f32x8 a, f32x8 b, Compare compare) {
   f32x4 ha[2], hb[2];
   std::memcpy(ha, &a, sizeof(a));
   std::memcpy(hb, &b, sizeof(b));
-  const i32x4 r[2] = {compare(ha[0], hb[0]), compare(ha[1], hb[1])};
-  i32x8 out;
-  std::memcpy(&out, r, sizeof(out));
-  return out;
+  return (i32x8)join8(compare(ha[0], hb[0]), compare(ha[1], hb[1]));
 }
 LANES_INLINE i32x8 lt8(f32x8 a, f32x8 b) {
   return by_halves(a, b, [](f32x4 x, f32x4 y) { return x < y; });
@@ -158,15 +164,6 @@ constexpr int64_t kGroup = 32;
 constexpr int kSub = kGroup / kLanes;
 
 #if !DDPCOMM_HAVE_AVX2 && defined(__SSE2__)
-// The 8 lanes of two 4-lane halves.
-template <class Half>
-LANES_INLINE u32x8 join8(Half lo, Half hi) {
-  const Half h[2] = {lo, hi};
-  u32x8 v;
-  std::memcpy(&v, h, sizeof(v));
-  return v;
-}
-
 // m * v. gcc copies m into the 8 lanes with eight stores and two 16-byte loads, which stall on
 // store forwarding (dequantize_sum q2 at 23 ms for 64 MB on one thread, 6x AVX2).
 LANES_INLINE f32x8 times8(float m, f32x8 v) {
@@ -178,15 +175,15 @@ LANES_INLINE f32x8 times8(float m, f32x8 v) { return m * v; }
 #endif
 
 #if !DDPCOMM_HAVE_AVX2 && defined(__SSE2__)
-// level_value of each 2- or 4-bit code of a byte, low bits first (level_value is not
-// constexpr: its expression is repeated here).
+// level_value of each 2- or 4-bit code of a byte, low bits first.
 template <int kBits>
 alignas(16) constexpr auto kByteLevels = [] {
-  constexpr int L = (1 << (kBits - 1)) - 1, per_byte = 8 / kBits;
+  constexpr int per_byte = 8 / kBits;
   std::array<std::array<float, per_byte>, 256> t{};
-  for (int b = 0; b < 256; ++b) {
-    for (int i = 0; i < per_byte; ++i)
-      t[b][i] = (float)(((b >> (kBits * i)) & ((1 << kBits) - 1)) - L) / (float)L;
+  for (uint32_t b = 0; b < 256; ++b) {
+    for (int i = 0; i < per_byte; ++i) {
+      t[b][i] = level_value((b >> (kBits * i)) & ((1u << kBits) - 1u), kBits);
+    }
   }
   return t;
 }();
