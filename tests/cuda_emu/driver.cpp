@@ -9,7 +9,6 @@
 #include <climits>
 #include <cstdlib>
 #include <memory>
-#include <vector>
 
 #include "cuda/launchers.h"
 #include "numerics.h"
@@ -22,20 +21,12 @@ using ddpcomm::cuda::FloatType;
 using ddpcomm::cuda::PayloadRows;
 using ddpcomm::cuda::SparsePayloads;
 
-std::vector<unsigned char> workspace(int64_t numel, int64_t bits, int64_t block_size,
-                                     bool stochastic) {
-  const int64_t bytes =
-      ddpcomm::cuda::encode_workspace_bytes(numel, (int)bits, block_size, stochastic);
-  return std::vector<unsigned char>((size_t)bytes, 0xFF);
-}
-
-void* data_or_null(std::vector<unsigned char>& v) { return v.empty() ? nullptr : v.data(); }
-
 // Device scratch of `bytes` garbage bytes, 256-byte aligned as cudaMalloc's.
 struct Scratch {
+  int64_t bytes;
   std::unique_ptr<unsigned char, decltype(&free)> p{nullptr, &free};
-  explicit Scratch(int64_t bytes) {
-    const size_t size = ((size_t)bytes + 255) / 256 * 256;
+  explicit Scratch(int64_t n) : bytes(n) {
+    const size_t size = ((size_t)n + 255) / 256 * 256;
     p.reset(static_cast<unsigned char*>(aligned_alloc(256, size > 0 ? size : 256)));
     memset(p.get(), 0xFF, size > 0 ? size : 256);
   }
@@ -43,7 +34,15 @@ struct Scratch {
   T* as() const {
     return reinterpret_cast<T*>(p.get());
   }
+  // The pointer, or null for an empty workspace, as the quantizer's binding passes it.
+  void* or_null() const { return bytes > 0 ? p.get() : nullptr; }
 };
+
+// An encode's workspace (launchers.h encode_workspace_bytes).
+Scratch encode_workspace(int64_t numel, int64_t bits, int64_t block_size, int64_t stochastic) {
+  return Scratch(
+      ddpcomm::cuda::encode_workspace_bytes(numel, (int)bits, block_size, stochastic != 0));
+}
 
 uint64_t rng_key(int64_t seed, int64_t step) {
   return ddpcomm::rng_key((uint64_t)seed, (uint64_t)step);
@@ -72,8 +71,8 @@ EMU_EXPORT int emu_quantize(const void* x, int64_t x_type, float* residual, int6
                                          rng_key(seed, step),
                                          rng_offset,
                                          out};
-  std::vector<unsigned char> ws = workspace(numel, bits, block_size, stochastic != 0);
-  return ddpcomm::cuda::launch_quantize(args, data_or_null(ws), nullptr);
+  const Scratch ws = encode_workspace(numel, bits, block_size, stochastic);
+  return ddpcomm::cuda::launch_quantize(args, ws.or_null(), nullptr);
 }
 
 EMU_EXPORT int emu_dequantize_sum(const uint8_t* payloads, int64_t rows, int64_t row_bytes,
@@ -89,10 +88,10 @@ EMU_EXPORT int emu_dequantize_sum_requantize(const uint8_t* payloads, int64_t ro
                                              int64_t stochastic, int64_t seed, int64_t step,
                                              int64_t rng_offset, uint8_t* out) {
   const PayloadRows p{payloads, rows, row_bytes, numel, (int)bits, block_size};
-  std::vector<unsigned char> ws = workspace(numel, bits, block_size, stochastic != 0);
+  const Scratch ws = encode_workspace(numel, bits, block_size, stochastic);
   return ddpcomm::cuda::launch_dequantize_sum_requantize(p, residual, divisor, stochastic != 0,
                                                          rng_key(seed, step), rng_offset, out,
-                                                         data_or_null(ws), nullptr);
+                                                         ws.or_null(), nullptr);
 }
 
 EMU_EXPORT int emu_topk_compress(const void* x, int64_t x_type, float* residual, int64_t n,
