@@ -302,6 +302,25 @@ def test_sparse_accumulate_matches_reference(device, dtype, value_dtype):
                 assert_same_bits(got, want)
 
 
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_large_sums_streamed_past_the_caches_keep_their_bits(value_dtype):
+    # An fp32 result of 4 MiB or more at a 32-byte aligned address is written whole with
+    # streaming stores (the x86-64-v3 kernels); one element further on, as zeros and entries.
+    n = (1 << 20) + 37
+    k = k_for(n, 0.01)
+    rows = topk_rows(n, k, value_dtype)
+    rows[1, 4 * k : 4 * k + 2 * 8].view(value_dtype)[:3] = torch.tensor([math.nan, -0.0, 0.0])
+    streamed = torch.empty(n + 8)[:n]
+    assert streamed.data_ptr() % 32 == 0
+    ops.sparse_accumulate(rows, n, k, 3, value_dtype, torch.float32, out=streamed)
+    plain = torch.empty(n + 1)[1:]
+    ops.sparse_accumulate(rows, n, k, 3, value_dtype, torch.float32, out=plain)
+    assert_same_bits(streamed, plain)
+    want = ref.sparse_accumulate(rows, n, k, 3, value_dtype, torch.float32)
+    assert_same_bits(streamed, want)
+    assert bool(streamed.isnan().any())
+
+
 def test_sparse_accumulate_adds_duplicates_in_rank_order(device):
     def payload(idx, val):
         return torch.cat(
