@@ -499,6 +499,28 @@ def test_code_thresholds_match_reference(device):
     assert deq.cpu()[16:].tolist() == [0.0, 0.0, 2.0, -2.0, 0.0, 0.0, 0.0, 0.0] * 2
 
 
+def test_ternary_thresholds_at_every_magnitude(device):
+    # Where x * inv rounds to just above or just below +-0.5 (inv = 1 / m, m of any mantissa):
+    # blocks of 32 whose m is their absmax A (16 values of +-A; the mean of the rest keeps
+    # 1.5 mean |x| above A), and whose other 16 values sit on the largest x with
+    # fl(x * inv) <= 0.5 and its float neighbours, of either sign. 2000 values of A.
+    g = torch.Generator().manual_seed(5)
+    a = torch.exp2(torch.randint(-60, 60, (2000,), generator=g).float())
+    a = a * (1 + torch.rand(2000, generator=g))
+    inv = 1.0 / a
+    t = (0.5 / inv).contiguous()
+    for _ in range(2):  # fp32 steps to the last x whose product is <= 0.5
+        t = torch.where(t * inv > 0.5, torch.nextafter(t, torch.zeros(())), t)
+        up = torch.nextafter(t, torch.tensor(math.inf))
+        t = torch.where(up * inv <= 0.5, up, t)
+    up, down = torch.nextafter(t, torch.tensor(math.inf)), torch.nextafter(t, torch.zeros(()))
+    near = torch.stack([t, -t, up, -up, down, -down, t, -up] * 2, 1)
+    x = torch.cat([torch.stack([a, -a] * 8, 1), near], 1).reshape(-1)
+    assert bool(((x.view(-1, 32)[:, 16:] * inv[:, None]).abs() > 0.5).any())
+    packed = ops.quantize(x.to(device), None, 2, 32)
+    assert torch.equal(packed.cpu(), ref.quantize(x, None, 2, 32))
+
+
 @pytest.mark.parametrize("bits", BITS)
 def test_stochastic_rounding_unbiased(device, bits):
     # Mean of deq over many seeds converges to x: the standard error of one draw is at
