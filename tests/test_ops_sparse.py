@@ -309,16 +309,16 @@ def test_large_sums_streamed_past_the_caches_keep_their_bits(value_dtype):
     n = (1 << 20) + 37
     k = k_for(n, 0.01)
     rows = topk_rows(n, k, value_dtype)
-    rows[1, 4 * k : 4 * k + 2 * 8].view(value_dtype)[:3] = torch.tensor([math.nan, -0.0, 0.0])
-    streamed = torch.empty(n + 8)[:n]
+    rows[1, 4 * k :].view(value_dtype)[:3] = torch.tensor([math.nan, -0.0, 0.0])
+    streamed, plain = torch.empty(n + 8)[:n], torch.empty(n + 1)[1:]
     assert streamed.data_ptr() % 32 == 0
-    ops.sparse_accumulate(rows, n, k, 3, value_dtype, torch.float32, out=streamed)
-    plain = torch.empty(n + 1)[1:]
-    ops.sparse_accumulate(rows, n, k, 3, value_dtype, torch.float32, out=plain)
-    assert_same_bits(streamed, plain)
-    want = ref.sparse_accumulate(rows, n, k, 3, value_dtype, torch.float32)
-    assert_same_bits(streamed, want)
-    assert bool(streamed.isnan().any())
+    for divisor in (2, 3):  # a power of two multiplies by its inverse
+        ops.sparse_accumulate(rows, n, k, divisor, value_dtype, torch.float32, out=streamed)
+        ops.sparse_accumulate(rows, n, k, divisor, value_dtype, torch.float32, out=plain)
+        assert_same_bits(streamed, plain)
+        want = ref.sparse_accumulate(rows, n, k, divisor, value_dtype, torch.float32)
+        assert_same_bits(streamed, want)
+        assert bool(streamed.isnan().any())
 
 
 def test_sparse_accumulate_adds_duplicates_in_rank_order(device):

@@ -505,15 +505,11 @@ void sum_slice(const uint8_t* in, int64_t rows, int64_t row_bytes, int64_t k, in
   };
   std::fill(acc, acc + (i1 - i0), 0.0f);
   // Rank order, so duplicates across ranks sum in rank order.
-  const auto add = [&](int64_t s, V v) { acc[s] = canonical(acc[s] + static_cast<float>(v)); };
+  each_entry([&](int64_t s, V v) { acc[s] = canonical(acc[s] + static_cast<float>(v)); });
   if constexpr (std::is_same_v<O, float>) {
-    if (stream) {
-      each_entry(add);
-      return stream_quotients(acc, i1 - i0, div, out + i0);
-    }
+    if (stream) return stream_quotients(acc, i1 - i0, div, out + i0);
   }
   std::fill(out + i0, out + i1, static_cast<O>(0.0f));
-  each_entry(add);
   // Every index a row holds is stored; an index in two rows, twice alike.
   each_entry([&](int64_t s, V) { out[i0 + s] = static_cast<O>(canonical(acc[s] / div)); });
 }
