@@ -15,6 +15,7 @@ collective at the group's timeout, and the ddpcomm ranks name it.
 from __future__ import annotations
 
 import datetime
+import os
 import time
 
 import pytest
@@ -198,7 +199,11 @@ def _hook_matrix(rank, world):
         results["hook_vs_wrapper"] = _attempt(lambda: _ddp_step(g, state, ddpcomm.compress_hook))
 
     # DDP on a subgroup with state=None: the default state reduces over the default
-    # group, which the odd rank is not reducing on. Last: it uses the default group.
+    # group, which the odd rank is not reducing on. Last: it uses the default group. The
+    # hook's first check waits MISSING_TIMEOUT for the odd rank instead of its 10 s.
+    from ddpcomm import agreement
+
+    os.environ[agreement.TIMEOUT_ENV] = str(MISSING_TIMEOUT)
     sub = dist.new_group(list(range(world - 1)))
     if odd:
         results["subgroup_default_state"] = {"error": None, "msg": "not in the subgroup"}
