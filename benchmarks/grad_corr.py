@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-from ddpcomm.bench._gpt import GPT, GPTConfig, corpus
+from ddpcomm.bench._gpt import GPT, GPTConfig, Text, corpus
 from ddpcomm.bench.train import _lr_factor
 
 
@@ -32,11 +32,15 @@ def main() -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--from-step", type=int, default=300)
     args = p.parse_args()
+    if args.world < 2:
+        p.error(f"--world must be >= 2 (two ranks' gradients are compared), got {args.world}")
+    if not 0 <= args.from_step < args.steps - 3:
+        p.error(f"--from-step must be in [0, --steps - 3), got {args.from_step}")
     torch.set_num_threads(1)
     accum, batch, seq, seed = 4, 2, 64, 0
-    lang = corpus("text", 128, seed)
+    lang = corpus("text", Text.VOCAB, seed)
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(128, seq, 128, 4, 4))
+    model = GPT(GPTConfig(Text.VOCAB, seq, 128, 4, 4))
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=2e-3, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, args.steps, "cosine"))
