@@ -26,12 +26,14 @@ from ddpcomm.hooks import (
     randomk_hook,
     topk_hook,
 )
+from ddpcomm.local import LocalSteps
 from ddpcomm.ops import build_info
 from ddpcomm.wrappers import AllReduceHandle, all_reduce, all_reduce_coalesced
 
 __all__ = [
     "AllReduceHandle",
     "CompressionState",
+    "LocalSteps",
     "QuantizeState",
     "RandomKState",
     "TopKState",
