@@ -31,6 +31,13 @@ def describe(method: str) -> str:
     """A method's legend line in the training tables, with the schedule its state runs."""
     if method in TORCH:
         return TORCH[method]
+    if method.startswith(LOCAL):
+        o = {"compression": "q4", "start_iter": 300, "lr_scale": "default", **local_options(method)}
+        return (
+            f"ddpcomm LocalSteps: local optimizer steps, the parameters' change averaged with "
+            f"{o['compression']} every {o['every']} steps after {o['start_iter']} exact ones, "
+            f"lr_scale {o['lr_scale']}"
+        )
     state = _state(method)[0]
     schedule = ""
     if state.start_iter or state.ramp:
@@ -81,9 +88,38 @@ def make_hook(method: str, group, schedule: bool = True):
     return hook, state, state.start_iter + state.ramp + first
 
 
+LOCAL = "local:"  # ddpcomm.LocalSteps: local:EVERY[,option=value...] (train only)
+
+
+def local_options(method: str) -> dict:
+    """LocalSteps' keyword arguments of ``local:EVERY[,name=value...]``."""
+    head, *rest = method.split(",")
+    try:
+        options = {"every": int(head[len(LOCAL) :])}
+        for piece in rest:
+            name, _, value = piece.partition("=")
+            if name not in ("compression", "start_iter", "lr_scale") or not value:
+                raise ValueError(f"unknown option {piece!r}")
+            options[name] = int(value) if name == "start_iter" else value
+        if "lr_scale" in options and options["lr_scale"] != "sqrt":
+            options["lr_scale"] = float(options["lr_scale"])
+    except ValueError as exc:
+        raise ValueError(
+            f"method {method!r}: {exc}; write local:EVERY with compression=, start_iter=, "
+            "lr_scale= after commas"
+        ) from None
+    return options
+
+
 def check(method: str, allowed: tuple[str, ...] = ()) -> str:
     """``method`` if the benchmarks know it (argparse type: a clear error otherwise)."""
     if method in TORCH or method in allowed:
+        return method
+    if method.startswith(LOCAL) and LOCAL in allowed:
+        try:
+            local_options(method)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
         return method
     try:
         _state(method)
@@ -163,4 +199,8 @@ def formula_bytes(method: str, shapes: list[tuple[int, ...]], world: int) -> int
         return round(_ring(world, 4 * 2 * side * int(method.rsplit("r", 1)[1])))
     if method == "nocomm":
         return 0
+    if method.startswith(LOCAL):
+        o = local_options(method)
+        spec = o.get("compression", "q4")
+        return _state(spec)[0].compressor.wire_bytes(numel, world) // o["every"]
     return _state(method)[0].compressor.wire_bytes(numel, world)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import ddpcomm
 from ddpcomm.bench import _methods, _probes, _ranks
 from ddpcomm.bench._gpt import GPT, GPTConfig, Text, corpus, describe, num_params
 from ddpcomm.bench._util import (
@@ -70,7 +71,7 @@ def add_parser(sub) -> None:
 def add_arguments(p) -> None:
     p.add_argument(
         "--methods",
-        type=_methods.method_list(OWN),
+        type=_methods.method_list((*OWN, _methods.LOCAL)),
         default=DEFAULT_METHODS,
         metavar="LIST",
         help=f"nocomm (no gradient exchange), ddp (DDP's default), and {_methods.METHODS_HELP}"
@@ -299,7 +300,8 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
     net = model  # nocomm: each rank trains its own copy
     if method != "nocomm":
         net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if method not in OWN:
+    local = method.startswith(_methods.LOCAL)
+    if method not in OWN and not local:
         # settle: the first step the method compresses with no warm-up or ramp stage
         hook, state, settle = _methods.make_hook(method, dist.group.WORLD)
         if not hasattr(state, "stats"):
@@ -311,12 +313,15 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         if case.get("exact_params"):
             hook = _probes.exact_for(hook, model, re.compile(case["exact_params"]))
         net.register_comm_hook(state, hook)
-    if case.get("adam_exact") and method not in OWN:
+    if case.get("adam_exact") and method not in OWN and not local:
         opt = _probes.SplitAdam(model.parameters(), lr=case["lr"], exact=case["adam_exact"])
     else:
         opt = torch.optim.AdamW(
             model.parameters(), lr=case["lr"], betas=(0.9, 0.95), weight_decay=0.0
         )
+    if local:  # steps locally, averaging the parameters every few steps
+        state = ddpcomm.LocalSteps(net, opt, **_methods.local_options(method))
+        settle = state.start_iter
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, functools.partial(_lr_factor, steps=steps, decay=case.get("lr_decay", "none"))
     )
@@ -332,7 +337,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
                 loss = net(x.to(device), y.to(device)) / len(batches)
                 loss.backward()
             total += loss.item()
-        opt.step()
+        (state if local else opt).step()
         opt.zero_grad(set_to_none=True)
         sched.step()
         return total
@@ -362,6 +367,8 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         loss, seconds = wall(lambda b=batches: step(b), device)
         log.add(i, loss, seconds)
         if i + 1 in scored:
+            if local:  # every rank evaluates the same parameters
+                state.average()
             with torch.no_grad():
                 evals[i + 1] = model(ex.to(device), ey.to(device)).item()
     dist.barrier()
