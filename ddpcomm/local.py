@@ -13,7 +13,7 @@ steps therefore run at ``lr_scale`` times the optimizer's learning rate (sqrt(N)
 for adaptive optimizers, 1 for SGD, whose local steps average to DDP's).
 
 Measured (benchmarks/RESULTS.md, "Local steps"): the 1200-step English GPT of the fidelity
-benchmark, 2 ranks, AdamW, every 8 steps with q4 after 300 exact steps: 62x fewer bytes
+benchmark, 2 ranks, AdamW, every 8 steps with q4 after 300 exact steps: 61x fewer bytes
 than DDP after the warm-up, final held-out loss +1.6% from DDP's over 4 seeds.
 
 Example::
@@ -237,13 +237,19 @@ class LocalSteps:
         anchor = sd["anchor"]
         if iteration > self.start_iter and anchor is None:
             raise ValueError("state_dict: past start_iter but no 'anchor'")
-        tensors = {} if anchor is None else {"anchor": anchor}
-        tensors.update({f"residuals[{k!r}]": t for k, t in sd["residuals"].items()})
-        for name, t in tensors.items():
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != numel:
+        # name -> (tensor, elements): the anchor and the whole-tensor residuals cover every
+        # trainable element, the two-phase owner residual this rank's chunk of them.
+        owner = checkpoint._owner_numel(numel, sd, self.compressor)
+        tensors = {} if anchor is None else {"anchor": (anchor, numel)}
+        for kind, t in sd["residuals"].items():
+            if kind not in ("q", "q_owner", "topk", "randk"):
+                raise ValueError(f"state_dict: unknown residual {kind!r}")
+            tensors[f"residuals[{kind!r}]"] = (t, owner if kind == "q_owner" else numel)
+        for name, (t, want) in tensors.items():
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != want:
                 raise ValueError(
-                    f"state_dict: {name} must be a float32 tensor of the {numel} trainable "
-                    "elements of model"
+                    f"state_dict: {name} must be a float32 tensor of {want} elements "
+                    f"(model has {numel} trainable ones)"
                 )
         device = self.params[0].device if self.params else torch.device("cpu")
         self.iteration, self.averages = iteration, averages

@@ -3,7 +3,8 @@ few steps. Checked at 2 ranks: that SGD averaged after every step is DDP's step 
 warm-up bitwise); that replicas are equal exactly at the averages; the error-feedback
 invariant of an average; the learning rate it scales and restores; a bitwise resume from
 a state_dict saved between two averages; bad arguments. At 3 ranks (the two-phase
-quantizer): equal replicas, and a rank with other settings refused on every rank."""
+quantizer): equal replicas, a bitwise resume, and a rank with other settings refused on
+every rank."""
 
 import pytest
 import torch
@@ -125,6 +126,7 @@ def check_error_feedback_invariant(rank, world):
 
 
 def check_resume_bitwise(rank, world):
+    # At 3 ranks q4 reduces in two phases, with a residual for this rank's chunk too.
     def run(steps, resume=None):
         ddp, opt, local = _setup(_adamw, every=3, start_iter=2)
         if resume is not None:
@@ -254,16 +256,18 @@ def _three(rank, world):
         opt.zero_grad()
     flat = flat_params(ddp)
     equal = all(torch.equal(t, flat) for t in _gathered(flat, world))
+    kinds = sorted(k[0] for k in local.memory.buffers)
+    resumed = check_resume_bitwise(rank, world)
     ddp, opt, local = _setup(_adamw, every=2 + (rank == 2), start_iter=1)
     try:  # checked at the first bucket of the first backward pass, before any collective
         _backward(ddp, rank, 0)
         refused = None
     except ValueError as exc:
         refused = str(exc)
-    return equal, refused
+    return equal, kinds, resumed, refused
 
 
-def test_three_ranks_agree_and_refuse_other_settings():
-    for equal, refused in run_ranks(_three, 3):
-        assert equal
+def test_three_ranks_agree_resume_and_refuse_other_settings():
+    for equal, kinds, resumed, refused in run_ranks(_three, 3):
+        assert equal and kinds == ["q", "q_owner"] and resumed
         assert refused is not None and "every" in refused
