@@ -153,6 +153,18 @@ def position_error(saved: tuple, now: tuple) -> str | None:
     return None
 
 
+def check_pending_position(state, who: str) -> None:
+    """ValueError (``who: loaded state_dict: ...``) when the (rank, world) a state's loaded
+    state_dict was saved at, ``state._pending_position``, does not fit its group now; the
+    pending position is cleared once it does."""
+    if state._pending_position is None:
+        return
+    message = position_error(state._pending_position, group_position(state.process_group))
+    if message is not None:
+        raise ValueError(f"{who}: loaded state_dict: {message}")
+    state._pending_position = None
+
+
 def _world_message(saved: int, now: int) -> str:
     return (
         f"this state_dict was saved by {saved} ranks and this run has {now}: "

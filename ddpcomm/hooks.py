@@ -577,12 +577,7 @@ def _check_first_iteration(state, buffer: torch.Tensor, index: int, hook: str) -
     iteration, ramp, hierarchy and the node size decided from it). After it DDP's buckets
     are rank 0's layout, broadcast, and which path a bucket takes follows from the
     settings agreed here."""
-    if state._pending_position is not None:
-        now = checkpoint.group_position(state.process_group)
-        message = checkpoint.position_error(state._pending_position, now)
-        if message is not None:
-            raise ValueError(f"{hook}: loaded state_dict: {message}")
-        state._pending_position = None
+    checkpoint.check_pending_position(state, hook)
     fields = _bucket_fields(state.compressor, state, buffer, index)
     pg = state.process_group if state.process_group is not None else dist.group.WORLD
     agreement.agree(

@@ -167,12 +167,7 @@ class LocalSteps:
         self.averages += 1
 
     def _agree(self) -> None:
-        if self._pending_position is not None:
-            now = checkpoint.group_position(self.process_group)
-            message = checkpoint.position_error(self._pending_position, now)
-            if message is not None:
-                raise ValueError(f"LocalSteps: loaded state_dict: {message}")
-            self._pending_position = None
+        checkpoint.check_pending_position(self, "LocalSteps")
         fields = {"call": "LocalSteps", **agreement.method_fields(self.compressor)}
         fields.update(
             every=self.every,
@@ -184,7 +179,7 @@ class LocalSteps:
         agreement.agree(
             self.process_group,
             fields,
-            f"the first step of ddpcomm.LocalSteps (iteration {self.iteration})",
+            f"the first backward pass of ddpcomm.LocalSteps (iteration {self.iteration})",
             limit=agreement.hook_timeout(),
         )
         self._unchecked = False
