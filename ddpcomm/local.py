@@ -14,7 +14,7 @@ for adaptive optimizers, 1 for SGD, whose local steps average to DDP's).
 
 Measured (benchmarks/RESULTS.md, "Local steps"): the 1200-step English GPT of the fidelity
 benchmark, 2 ranks, AdamW, every 8 steps with q4 after 300 exact steps: 61x fewer bytes
-than DDP after the warm-up, final held-out loss +1.6% from DDP's over 4 seeds.
+than DDP after the warm-up, final held-out loss +1.6% from DDP's over 8 seeds.
 
 Example::
 
