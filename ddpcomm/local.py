@@ -221,9 +221,15 @@ class LocalSteps:
         """Restores what ``state_dict`` saved, before the resumed run's first step."""
         if not isinstance(sd, dict) or sd.get("version") != VERSION:
             raise ValueError(f"state_dict: not a LocalSteps state_dict of version {VERSION}")
-        if sd.get("config") != self._config():
+        keys = ("rank", "world_size", "config", "iteration", "averages", "anchor", "residuals")
+        missing = [k for k in keys if k not in sd]
+        if missing:
+            raise ValueError(f"state_dict: missing {missing}")
+        if not isinstance(sd["residuals"], dict):
+            raise ValueError("state_dict: 'residuals' must be a dict of kind -> tensor")
+        if sd["config"] != self._config():
             raise ValueError(
-                f"state_dict: saved with {sd.get('config')}, this LocalSteps has "
+                f"state_dict: saved with {sd['config']}, this LocalSteps has "
                 f"{self._config()}: give it the saved settings"
             )
         iteration = check_int(sd["iteration"], "state_dict['iteration']", 0)

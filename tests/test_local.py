@@ -181,11 +181,12 @@ def check_bad_arguments(rank, world):
             errors[name] = f"{type(exc).__name__}: {exc}"
     local = _setup(_adamw, every=2)[2]
     other = _setup(_adamw, every=4)[2]
-    try:
-        other.load_state_dict(local.state_dict())
-        errors["load"] = None
-    except ValueError as exc:
-        errors["load"] = f"ValueError: {exc}"
+    for name, sd in (("load", local.state_dict()), ("load missing", {"version": 1})):
+        try:
+            other.load_state_dict(sd)
+            errors[name] = None
+        except ValueError as exc:
+            errors[name] = f"ValueError: {exc}"
     return errors
 
 
@@ -245,7 +246,7 @@ def test_bad_arguments_name_the_argument(two):
             assert error is not None, f"{name} was accepted"
         for name in ("model", "optimizer", "every", "start_iter", "lr_scale", "normalize"):
             assert name.split()[0] in errors[name], errors[name]
-        assert "every" in errors["load"]
+        assert "every" in errors["load"] and "missing" in errors["load missing"]
 
 
 def _three(rank, world):
