@@ -13,8 +13,11 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpcomm
+from tests.cuda_utils import needs_cuda
 from tests.ddp_utils import fixed_teacher, flat_params, make_model
 from tests.dist_utils import run_checks, run_ranks
+
+DEVICE = ["cpu"]  # where the spawned rank's models live (the CUDA case sets it)
 
 
 def _batch(rank: int, step: int):
@@ -24,12 +27,12 @@ def _batch(rank: int, step: int):
 
 
 def _backward(ddp, rank: int, step: int) -> None:
-    x, y = _batch(rank, step)
+    x, y = (t.to(DEVICE[0]) for t in _batch(rank, step))
     nn.functional.mse_loss(ddp(x), y).backward()
 
 
 def _setup(make_opt, **local):
-    ddp = DDP(make_model())
+    ddp = DDP(make_model().to(DEVICE[0]))
     opt = make_opt(ddp.parameters())
     return ddp, opt, ddpcomm.LocalSteps(ddp, opt, **local)
 
@@ -272,3 +275,17 @@ def test_three_ranks_agree_resume_and_refuse_other_settings():
     for equal, kinds, resumed, refused in run_ranks(_three, 3):
         assert equal and kinds == ["q", "q_owner"] and resumed
         assert refused is not None and "every" in refused
+
+
+def _on_cuda(rank, world):
+    torch.cuda.set_device(0)
+    DEVICE[0] = "cuda"
+    return run_checks(rank, world, [check_replicas_equal_at_averages, check_resume_bitwise])
+
+
+@needs_cuda
+def test_cuda_parameters_over_gloo():
+    results = run_ranks(_on_cuda, 2)
+    for r in _result(results, "check_replicas_equal_at_averages"):
+        assert r["equal"] == [True, False, False, True, False, False, True, False]
+    assert _result(results, "check_resume_bitwise") == [True, True]
