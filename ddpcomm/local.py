@@ -52,6 +52,8 @@ ADAPTIVE = (
 )
 LINEAR = (torch.optim.SGD,)
 VERSION = 1
+# The defaults of LocalSteps' every, compression and start_iter.
+EVERY, COMPRESSION, START_ITER = 8, "q4", 300
 
 
 class LocalSteps:
@@ -78,9 +80,9 @@ class LocalSteps:
         self,
         model: DistributedDataParallel,
         optimizer: torch.optim.Optimizer,
-        every: int = 8,
-        compression: str | Compressor = "q4",
-        start_iter: int = 300,
+        every: int = EVERY,
+        compression: str | Compressor = COMPRESSION,
+        start_iter: int = START_ITER,
         lr_scale: float | str | None = None,
     ) -> None:
         if not isinstance(model, DistributedDataParallel):

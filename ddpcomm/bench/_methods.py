@@ -11,7 +11,7 @@ import argparse
 import math
 
 import ddpcomm
-from ddpcomm import adaptive, compressors
+from ddpcomm import adaptive, compressors, local
 
 # torch's hooks, as PyTorch users run them today.
 TORCH = {
@@ -32,7 +32,8 @@ def describe(method: str) -> str:
     if method in TORCH:
         return TORCH[method]
     if method.startswith(LOCAL):
-        o = {"compression": "q4", "start_iter": 300, "lr_scale": "default", **local_options(method)}
+        o = {"compression": local.COMPRESSION, "start_iter": local.START_ITER}
+        o.update(lr_scale="default", **local_options(method))
         return (
             f"ddpcomm LocalSteps: local optimizer steps, the parameters' change averaged with "
             f"{o['compression']} every {o['every']} steps after {o['start_iter']} exact ones, "
@@ -201,6 +202,6 @@ def formula_bytes(method: str, shapes: list[tuple[int, ...]], world: int) -> int
         return 0
     if method.startswith(LOCAL):
         o = local_options(method)
-        spec = o.get("compression", "q4")
+        spec = o.get("compression", local.COMPRESSION)
         return _state(spec)[0].compressor.wire_bytes(numel, world) // o["every"]
     return _state(method)[0].compressor.wire_bytes(numel, world)
