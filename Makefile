@@ -189,7 +189,8 @@ bench-fidelity-normalized: all
 # reduced gradient with the exact mean every 50 steps, by parameter kind; runs whose
 # AdamW takes the exact mean in one of its moments (--adam-exact m, v); q2 with and
 # without normalize, seeds 0-3; q1 with one parameter kind's gradients exact; q1.5 at its
-# defaults, seeds 0-7; and LocalSteps averaging with q4 every 8 steps, seeds 0-7 (against
+# defaults, seeds 0-7; and LocalSteps at its defaults (q2 every 4 steps) and with q4 every
+# 8 steps, seeds 0-7 (against
 # the DDP runs of q2's and q1.5's studies: the same seeds give the same DDP run).
 Q1_N0 = q1,start_iter=100,ramp=200,normalize=0
 Q1_N64 = q1,start_iter=100,ramp=200,normalize=64
@@ -214,7 +215,7 @@ bench-steady: all
 	$(STUDY) steady_topk benchmarks/results/steady_state/topk_bf16_1200.json bench-out/steady/topk-?.json
 	set -e; for s in 0 1 2 3 4 5 6 7; do $(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed $$s --methods ddp,q1.5 --out bench-out/steady/q15-$$s.json; done
 	$(STUDY) steady_q15 benchmarks/results/steady_state/q15_1200.json bench-out/steady/q15-?.json
-	set -e; for s in 0 1 2 3 4 5 6 7; do $(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed $$s --methods local:8 --out bench-out/steady/local-$$s.json; done
+	set -e; for s in 0 1 2 3 4 5 6 7; do $(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed $$s --methods local:4,compression=q2,local:8,compression=q4 --out bench-out/steady/local-$$s.json; done
 	$(STUDY) steady_local benchmarks/results/steady_state/local_1200.json bench-out/steady/local-?.json
 	set -e; i=0; for p in $(EXACT_PARAMS); do i=$$((i + 1)); $(PY) -m ddpcomm.bench train $(STEADY_MODEL) --seed 0 --exact-params "$$p" --methods ddp,$(Q1_N64) --out bench-out/steady/params-$$i.json; done
 	$(STUDY) exact_params benchmarks/results/steady_state/exact_params.json bench-out/steady/params-?.json
