@@ -193,6 +193,20 @@ def check_bad_arguments(rank, world):
     return errors
 
 
+def test_bench_method_names():
+    from ddpcomm.bench import _methods
+
+    assert _methods.local_options("local:8,compression=q4,lr_scale=1.5") == {
+        "every": 8,
+        "compression": "q4",
+        "lr_scale": 1.5,
+    }
+    legend = _methods.describe("local:8,lr_scale=1.5")
+    assert "q2 every 8 steps after 300" in legend and "lr_scale 1.5" in legend
+    with pytest.raises(ValueError, match="unknown option 'every=2'"):
+        _methods.local_options("local:8,every=2")
+
+
 def _checks_at_two(rank, world):
     return run_checks(
         rank,

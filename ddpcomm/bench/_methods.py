@@ -33,7 +33,7 @@ def describe(method: str) -> str:
         return TORCH[method]
     if method.startswith(LOCAL):
         o = {"compression": local.COMPRESSION, "start_iter": local.START_ITER}
-        o.update(lr_scale="default", **local_options(method))
+        o = {**o, "lr_scale": "default", **local_options(method)}
         return (
             f"ddpcomm LocalSteps: local optimizer steps, the parameters' change averaged with "
             f"{o['compression']} every {o['every']} steps after {o['start_iter']} exact ones, "
