@@ -170,14 +170,8 @@ class LocalSteps:
 
     def _agree(self) -> None:
         checkpoint.check_pending_position(self, "LocalSteps")
-        fields = {"call": "LocalSteps", **agreement.method_fields(self.compressor)}
-        fields.update(
-            every=self.every,
-            start_iter=self.start_iter,
-            lr_scale=self.lr_scale,
-            iteration=self.iteration,
-            numel=sum(self._sizes()),
-        )
+        fields = {"call": "LocalSteps", **self._config()}
+        fields.update(iteration=self.iteration, numel=sum(self._sizes()))
         agreement.agree(
             self.process_group,
             fields,
