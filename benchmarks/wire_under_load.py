@@ -106,8 +106,10 @@ def main() -> None:
         procs = [
             subprocess.Popen(
                 [*links.prefix_command(r), sys.executable, __file__, *forward, f"--rank={r}"],
-                env=env, stdout=subprocess.PIPE, text=True,
-            )  # fmt: skip
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             for r in range(2)
         ]
         out = [proc.communicate()[0] for proc in procs]
@@ -117,7 +119,8 @@ def main() -> None:
     wire = rows["none"]["ms"]
     print(f"{args.pieces} pieces of {args.bytes} bytes all-gathered by 2 ranks over {args.link}, "
           f"{args.ms} ms of work before each; medians of {args.repeats} calls")  # fmt: skip
-    print(f"{'work':8s} {'call ms':>8s} {'first piece ms':>15s} {'work alone ms':>14s} {'ratio':>6s}")
+    head = ("work", "call ms", "first piece ms", "work alone ms", "ratio")
+    print(f"{head[0]:8s} {head[1]:>8s} {head[2]:>15s} {head[3]:>14s} {head[4]:>6s}")
     for kind, r in rows.items():
         ratio = r["ms"] / max(wire, r["work_alone_ms"])
         print(f"{kind:8s} {r['ms']:8.1f} {r['first_landed_ms']:15.1f} "
