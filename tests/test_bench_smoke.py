@@ -470,6 +470,25 @@ def test_links_removed_on_sigterm_and_stale_ones_reaped():
     assert not set(names) & set(netns.list_namespaces())
 
 
+@needs_root
+@pytest.mark.parametrize("collective", ["all_gather", "all_reduce"])
+def test_wire_under_load_prints_a_ratio_per_kind_of_work(collective):
+    """benchmarks/wire_under_load.py, tiny: two ranks on a shaped link, a row per kind of
+    work, the wire alone at ratio 1, and its namespaces gone after it."""
+    script = os.path.join(ROOT, "benchmarks", "wire_under_load.py")
+    args = ["--pieces=2", "--bytes=65536", "--ms=0.5", "--land-ms=0.2", "--repeats=1"]
+    before = set(netns.list_namespaces())
+    out = subprocess.run(
+        [sys.executable, script, *args, f"--collective={collective}"],
+        capture_output=True, text=True, env=ENV, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()[2:]}
+    assert sorted(rows) == ["cpu", "memory", "none"] and rows["none"][-1] == "1.00", out.stdout
+    assert all(float(r[-1]) > 0 for r in rows.values()) and collective in out.stdout
+    assert set(netns.list_namespaces()) <= before
+
+
 @pytest.mark.parametrize("exact", ["m", "v"])
 def test_split_adam_is_adamw_when_both_moments_take_one_gradient(exact):
     from ddpcomm.bench._probes import SplitAdam
