@@ -138,39 +138,50 @@ def _entry(entries, i: int, world: int, compressor) -> dict:
     return entry
 
 
-def position_error(saved: tuple, now: tuple) -> str | None:
-    """Why residuals saved at (rank, world) ``saved`` do not fit ``now``; None if they do."""
+# What a CompressionState's user can do about a state_dict from another rank or world
+# size; position_error's ``advice`` replaces them for states without these options.
+_OTHER_RANK = (
+    "Save every rank's own state.state_dict(), or save from rank 0 only what "
+    "state.state_dict(gather=True) (called on every rank) returns there, and load that file "
+    "on every rank"
+)
+_OTHER_WORLD = (
+    "Pass reset_residuals=True to keep the iteration and settings and start the residuals from zero"
+)
+
+
+def position_error(saved: tuple, now: tuple, advice: str | None = None) -> str | None:
+    """Why residuals saved at (rank, world) ``saved`` do not fit ``now``, ending with
+    ``advice`` (a CompressionState's options by default); None if they fit."""
     if saved[1] != now[1]:
-        return _world_message(saved[1], now[1])
+        return _world_message(saved[1], now[1], advice or _OTHER_WORLD)
     if saved[0] != now[0]:
         return (
             f"this state_dict holds the error-feedback residuals of rank {saved[0]}, but "
             f"this is rank {now[0]}: loading it would give this rank another rank's "
-            "residuals. Save every rank's own state.state_dict(), or save from rank 0 "
-            "only what state.state_dict(gather=True) (called on every rank) returns there, "
-            "and load that file on every rank"
+            f"residuals. {advice or _OTHER_RANK}"
         )
     return None
 
 
-def check_pending_position(state, who: str) -> None:
+def check_pending_position(state, who: str, advice: str | None = None) -> None:
     """ValueError (``who: loaded state_dict: ...``) when the (rank, world) a state's loaded
     state_dict was saved at, ``state._pending_position``, does not fit its group now; the
-    pending position is cleared once it does."""
+    pending position is cleared once it does. ``advice`` as for position_error."""
     if state._pending_position is None:
         return
-    message = position_error(state._pending_position, group_position(state.process_group))
+    now = group_position(state.process_group)
+    message = position_error(state._pending_position, now, advice)
     if message is not None:
         raise ValueError(f"{who}: loaded state_dict: {message}")
     state._pending_position = None
 
 
-def _world_message(saved: int, now: int) -> str:
+def _world_message(saved: int, now: int, advice: str = _OTHER_WORLD) -> str:
     return (
         f"this state_dict was saved by {saved} ranks and this run has {now}: "
         "error-feedback residuals belong to the ranks that made them and cannot be "
-        "re-split. Pass reset_residuals=True to keep the iteration and settings and start "
-        "the residuals from zero"
+        f"re-split. {advice}"
     )
 
 

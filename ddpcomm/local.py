@@ -169,7 +169,7 @@ class LocalSteps:
         self.averages += 1
 
     def _agree(self) -> None:
-        checkpoint.check_pending_position(self, "LocalSteps")
+        checkpoint.check_pending_position(self, "LocalSteps", _OWN_STATE_DICTS)
         fields = {"call": "LocalSteps", **self._config()}
         fields.update(iteration=self.iteration, numel=sum(self._sizes()))
         agreement.agree(
@@ -272,6 +272,13 @@ class LocalSteps:
             f"start_iter={self.start_iter}, lr_scale={self.lr_scale:g}, "
             f"iteration={self.iteration})"
         )
+
+
+# The remedy for a state_dict loaded on a rank or world size other than its own.
+_OWN_STATE_DICTS = (
+    "Save every rank's own LocalSteps.state_dict() and load each on the rank that saved it, "
+    "in a group of the same size"
+)
 
 
 def _hook(local: "LocalSteps", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

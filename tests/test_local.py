@@ -190,6 +190,16 @@ def check_bad_arguments(rank, world):
             errors[name] = None
         except ValueError as exc:
             errors[name] = f"ValueError: {exc}"
+    # Another rank's state_dict, or one from another world size: refused at the first
+    # backward pass, on every rank, before any collective.
+    for name, field, value in (("other rank", "rank", 1 - rank), ("other world", "world_size", 3)):
+        ddp, _, moved = _setup(_adamw, every=2)
+        moved.load_state_dict({**local.state_dict(), field: value})
+        try:
+            _backward(ddp, rank, 0)
+            errors[name] = None
+        except ValueError as exc:
+            errors[name] = f"ValueError: {exc}"
     return errors
 
 
@@ -264,6 +274,12 @@ def test_bad_arguments_name_the_argument(two):
         for name in ("model", "optimizer", "every", "start_iter", "lr_scale", "normalize"):
             assert name.split()[0] in errors[name], errors[name]
         assert "every" in errors["load"] and "missing" in errors["load missing"]
+        # The remedy LocalSteps has, not a CompressionState's options it does not.
+        assert "another rank's residuals" in errors["other rank"], errors["other rank"]
+        assert "saved by 3 ranks and this run has 2" in errors["other world"]
+        for name in ("other rank", "other world"):
+            assert "LocalSteps.state_dict()" in errors[name], errors[name]
+            assert "gather=True" not in errors[name] and "reset_residuals" not in errors[name]
 
 
 def _three(rank, world):
