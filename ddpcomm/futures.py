@@ -196,6 +196,18 @@ def set_from_python(fut: Future) -> bool:
     return fut in _SET_FROM_PYTHON
 
 
+def for_reducer(fut: Future) -> Future:
+    """``fut`` as a DDP comm hook returns it. DDP's reducer reads the Future from C++: an
+    error must be a C++-level one (raised in a callback), or it reaches the user as "Unable
+    to cast <message> to Tensor". A collective's Future and a ``then``'s already are; one
+    completed from Python gets a ``then`` that passes its value on."""
+    return then(fut, _value) if set_from_python(fut) else fut
+
+
+def _value(fut: Future):
+    return fut.value()
+
+
 def resolve(fut: Future, value) -> None:
     """Completes the ``device_future`` ``fut`` with ``value``. On CUDA the Future records an
     event on the current stream of ``value``'s device, so its waiters see every kernel

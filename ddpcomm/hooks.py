@@ -42,7 +42,7 @@ from ddpcomm.context import (
     Stats,
     Workspace,
 )
-from ddpcomm.futures import set_from_python, then
+from ddpcomm.futures import for_reducer
 from ddpcomm.layout import LayoutTracker, Reformer, end_iteration, place, watch_casts
 
 
@@ -561,14 +561,7 @@ def _hook(state: CompressionState, bucket: dist.GradBucket, hook: str) -> torch.
         state._reformer = None  # DDP has its own layout from now on
         state._unchecked = False
         end_iteration(state)
-    # DDP's reducer reads the Future from C++: an error must be a C++-level one (raised in
-    # a callback), or it reaches the user as "Unable to cast <message> to Tensor". A
-    # collective's Future and a ``then``'s already are; one completed from Python is not.
-    return then(fut, _value) if set_from_python(fut) else fut
-
-
-def _value(fut: torch.futures.Future):
-    return fut.value()
+    return for_reducer(fut)
 
 
 def _check_first_iteration(state, buffer: torch.Tensor, index: int, hook: str) -> None:

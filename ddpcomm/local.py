@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ddpcomm import agreement, checkpoint, collectives, normalize
 from ddpcomm.compressors import Compressor, dense_bytes, parse, split_spec
 from ddpcomm.context import ReduceContext, ResidualMemory, Stats, Workspace
-from ddpcomm.futures import completed, then
+from ddpcomm.futures import completed, for_reducer
 from ddpcomm.ops import check_int
 
 # Optimizers that divide by a running second moment of the gradient (lr_scale sqrt(N)),
@@ -293,7 +293,7 @@ def _hook(local: "LocalSteps", bucket: dist.GradBucket) -> torch.futures.Future[
         return collectives.plain_all_reduce(buffer, ctx)
     world = dist.get_world_size(local.process_group)
     ctx.stats.record("local", 0, dense_bytes(buffer.numel(), world, buffer.element_size()))
-    return then(completed(buffer, buffer.device), lambda fut: fut.value())
+    return for_reducer(completed(buffer, buffer.device))
 
 
 def _compressor(compression) -> Compressor:
