@@ -136,6 +136,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
+    for name, low in (("pieces", 1), ("bytes", 4), ("ms", 0), ("land_ms", 0), ("repeats", 1)):
+        if getattr(args, name) < low:
+            p.error(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(args, name)}")
     if args.rank is not None:
         return _rank(args)
     from ddpcomm.bench.netns import Links
