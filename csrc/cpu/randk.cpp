@@ -91,9 +91,11 @@ void randk_decompress_into_cpu(const at::Tensor& values, const at::Tensor& out, 
       at::kHalf, at::kBFloat16, out.scalar_type(), "randk_decompress", [&] {
         scalar_t* o = out.data_ptr<scalar_t>();
         at::parallel_for(start, end, strata_grain(numel, k), [&](int64_t j0, int64_t j1) {
+          // The task's strata are one contiguous range: zeroed in one fill, then the picks
+          // (64 MiB at 1%, one thread, runs in turn: a fill per stratum of ~100 elements
+          // 2.6-3.0 ms, one per task 2.2; on two threads 1.1-1.5 both).
+          std::fill(o + j0 * numel / k, o + j1 * numel / k, static_cast<scalar_t>(0.0f));
           for (int64_t j = j0; j < j1; ++j) {
-            const int64_t lo = j * numel / k, hi = (j + 1) * numel / k;
-            std::fill(o + lo, o + hi, static_cast<scalar_t>(0.0f));
             o[randk_index(key, j, numel, k)] =
                 static_cast<scalar_t>(canonical(vp[j - start] / div));
           }
