@@ -27,11 +27,22 @@
 namespace ddpcomm::DDPCOMM_ISA {
 namespace {
 
-// About 64K elements of bucket per parallel task.
-constexpr int64_t kTaskElements = 1 << 16;
+// About 64K elements of bucket (256 KB of fp32, in L2) per chunk of strata.
+constexpr int64_t kChunkElements = 1 << 16;
 
-// Strata per parallel task.
-int64_t strata_grain(int64_t n, int64_t k) { return std::max<int64_t>(1, k * kTaskElements / n); }
+// Strata per chunk.
+int64_t strata_grain(int64_t n, int64_t k) { return std::max<int64_t>(1, k * kChunkElements / n); }
+
+// fn(c0, c1) over [j0, j1) in chunks of at most `grain` strata, in order. at::parallel_for
+// hands each thread its whole share in one call (a 64 MiB bucket at once on one thread), and
+// a chunk's picks must find the elements its pass has just read still in cache: a pass over
+// the whole share first left them in memory. randk_compress at 64 MiB, 1%, builds in turn:
+// one thread 6.8-9.5 ms -> 5.3-5.9 with error feedback, 4.1-6.0 -> 2.7-3.2 without (reading
+// the bucket once takes 2.2-2.8); two threads 4.6-5.2 -> 3.4-3.7 and 2.4-2.8 -> 1.7-1.8.
+template <class Fn>
+void in_chunks(int64_t j0, int64_t j1, int64_t grain, Fn&& fn) {
+  for (int64_t c = j0; c < j1; c += grain) fn(c, std::min(j1, c + grain));
+}
 
 void randk_compress_into_cpu(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                              const at::Tensor& values, int64_t seed, int64_t step, int64_t bucket,
@@ -48,16 +59,21 @@ void randk_compress_into_cpu(const at::Tensor& x, const std::optional<at::Tensor
   std::atomic<bool> all_finite{true};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "randk_compress", [&] {
     const scalar_t* xp = xc.data_ptr<scalar_t>();
-    at::parallel_for(start, end, strata_grain(n, k), [&](int64_t j0, int64_t j1) {
-      // The task's strata are one contiguous range of the bucket: the EF add and the
-      // finiteness test run over it as one flat loop (which vectorizes; per stratum, ~100
-      // elements with bounds computed per stratum, it did not), then the picks.
-      const int64_t lo = j0 * n / k, hi = j1 * n / k;
+    const int64_t grain = strata_grain(n, k);
+    at::parallel_for(start, end, grain, [&](int64_t j0, int64_t j1) {
       uint32_t bad = 0;  // non-zero once an entry is Inf or NaN
-      if (res == nullptr) {
-        for (int64_t t = lo; t < hi; ++t) bad |= non_finite(static_cast<float>(xp[t]));
-        for (int64_t j = j0; j < j1; ++j) vp[j] = static_cast<float>(xp[randk_index(key, j, n, k)]);
-      } else {
+      in_chunks(j0, j1, grain, [&](int64_t c0, int64_t c1) {
+        // A chunk's strata are one contiguous range of the bucket: the EF add and the
+        // finiteness test run over it as one flat loop (which vectorizes; per stratum, ~100
+        // elements with bounds computed per stratum, it did not), then the picks.
+        const int64_t lo = c0 * n / k, hi = c1 * n / k;
+        if (res == nullptr) {
+          for (int64_t t = lo; t < hi; ++t) bad |= non_finite(static_cast<float>(xp[t]));
+          for (int64_t j = c0; j < c1; ++j) {
+            vp[j] = static_cast<float>(xp[randk_index(key, j, n, k)]);
+          }
+          return;
+        }
         // Error feedback: e = x + r everywhere; the chosen entry is sent (r = 0 there),
         // every other entry keeps e for the next step.
         for (int64_t t = lo; t < hi; ++t) {
@@ -65,12 +81,12 @@ void randk_compress_into_cpu(const at::Tensor& x, const std::optional<at::Tensor
           res[t] = e;
           bad |= non_finite(e);
         }
-        for (int64_t j = j0; j < j1; ++j) {
+        for (int64_t j = c0; j < c1; ++j) {
           const int64_t i = randk_index(key, j, n, k);
           vp[j] = res[i];
           res[i] = 0.0f;
         }
-      }
+      });
       if (bad) all_finite.store(false, std::memory_order_relaxed);
     });
   });
@@ -90,10 +106,12 @@ void randk_decompress_into_cpu(const at::Tensor& values, const at::Tensor& out, 
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, out.scalar_type(), "randk_decompress", [&] {
         scalar_t* o = out.data_ptr<scalar_t>();
+        // A thread's strata are one contiguous range of `out`: zeroed in one fill (a memset),
+        // then the picks. Not in chunks as randk_compress is: at 64 MiB, 1%, one thread, a
+        // fill per stratum of ~100 elements took 2.6-3.0 ms, one per 256 KB chunk 2.9-3.1,
+        // one per thread 2.1-2.2 (on two threads 1.1-1.5 all); likely because glibc's
+        // memset writes a fill this large past the caches, reading no line it writes.
         at::parallel_for(start, end, strata_grain(numel, k), [&](int64_t j0, int64_t j1) {
-          // The task's strata are one contiguous range: zeroed in one fill, then the picks
-          // (64 MiB at 1%, one thread, runs in turn: a fill per stratum of ~100 elements
-          // 2.6-3.0 ms, one per task 2.2; on two threads 1.1-1.5 both).
           std::fill(o + j0 * numel / k, o + j1 * numel / k, static_cast<scalar_t>(0.0f));
           for (int64_t j = j0; j < j1; ++j) {
             o[randk_index(key, j, numel, k)] =
