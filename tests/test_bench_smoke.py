@@ -141,6 +141,9 @@ def test_collectives_quick(cwd, tmp_path):
     assert all(r["wire_s"] > 0 for r in rows.values())
     assert rows["allreduce"]["codec_s"] == 0 and rows["q8"]["codec_s"] > 0
     assert "wire-only ms" in proc.stdout and "overlap" in proc.stdout
+    # ddpcomm.all_reduce of q8 against its hook, the two taking turns (3x the calls).
+    assert rows["q8"]["call_s"] > 0 and rows["q8"]["call_hook_s"] > 0
+    assert "ddpcomm.all_reduce against the hook" in proc.stdout
     # Adaptive: decided after its probe calls; its bytes are those of the path it took.
     adaptive = rows["q8,adaptive"]
     path = adaptive["adaptive_path"]

@@ -45,7 +45,9 @@ Beside each method's time: the wire-only time of its bytes (the collectives its
 algorithm issued, all_reduce or all_gather, on as many plain bytes), its codec time
 alone (its hook on torch's fake process group: every compress and decode op, collectives
 that only copy), and overlap = time / max(wire-only, codec): 1.00 at the limit, 1 +
-smaller/larger when nothing overlaps. The three take turns call by call.
+smaller/larger when nothing overlaps. The three take turns call by call. Last,
+ddpcomm.all_reduce of the method (the same bytes outside DDP) and its hook take turns
+alone, call by call, for the table that compares them.
 
 --link RATE gives each rank its own network namespace joined by links shaped to RATE
 with tc tbf (needs root; without it the run falls back to loopback and says so).
@@ -176,7 +178,7 @@ def run(args) -> int:
         def timeout(case) -> float:
             # 10x a plain all_reduce's wire time per call (100 MB/s on loopback), + slack;
             # each call is followed by its wire-only collectives.
-            calls = 2 * (case["iters"] + case["warmup"] + 3)
+            calls = 2 * (4 * case["iters"] + 2 * case["warmup"] + 3)
             if ",adaptive" in case["row"]["method"]:  # + plain and the fixed method
                 calls = 2 * calls + adaptive.first_decision()
             return args.timeout or 60 + 10 * calls * 8 * case["row"]["numel"] / (rate or 100e6)
@@ -341,7 +343,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
             result.update(median_s=medians[name], times_s=per_call)
     if len(runs) > 1:
         result.update(plain_s=medians["allreduce"], fixed_s=medians[methods[2]])
-    result.update({f"{k}_s": medians[k] for k in ("wire", "codec", "call") if k in medians})
+    result.update({f"{k}_s": medians[k] for k in ("wire", "codec") if k in medians})
     if plain:
         result["codec_s"] = 0.0  # nothing to compress or decode
     if split:  # each step's slowest rank; the barriers between them left out
@@ -375,6 +377,16 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
         result["rel_error"] = (out.float().reshape(-1) - exact).norm().item() / max(
             exact.norm().item(), 1e-30
         )
+    # ddpcomm.all_reduce and the hook take turns alone, last, three times as many calls: in
+    # the rotation above, the entries around them moved their ratio by 2-4% (60 calls each,
+    # q8 and q4, 64 MiB, 1 Gbit/s), and 5 calls made it vary by up to 15% between runs.
+    call = _call(method, runs[0][1], grad, case["warmup"]) if stats else []
+    if call:
+        calls = 3 * case["iters"]
+        pair, _, _ = _take_turns([entries[0], *call], calls, None, device)
+        dist.all_gather_object(every, pair)
+        for key, j in (("call_hook_s", 0), ("call_s", 1)):
+            result[key] = statistics.median(max(ts[j][i] for ts in every) for i in range(calls))
     result["status"] = "ok"
     return result
 
@@ -448,7 +460,7 @@ def _probes(method, state, last, shapes, grad, warmup) -> tuple[list[tuple], boo
         wire = _two_level(kind, last["cross_node_bytes"], grad.numel(), local, device)
     else:
         wire = _plain(kind, last["measured_bytes"], dist.group.WORLD, device)
-    entries = [("wire", None, None, wire), *_call(method, state, grad, warmup)]
+    entries = [("wire", None, None, wire)]
     plain = path in ("plain", "empty")
     if plain or not isinstance(state.compressor, _CALLED):
         return entries, plain
@@ -679,23 +691,26 @@ def _two_level_table(rows: list[dict], markdown: bool) -> list[str]:
 
 
 def _call_table(rows: list[dict], markdown: bool) -> list[str]:
-    """Each method through ``ddpcomm.all_reduce`` against its hook, timed in turn."""
-    body = [
-        [
-            r["method"],
-            str(r["world"]),
-            f"{r['size_mib']:g}",
-            f"{r['median_s'] * 1e3:.1f}",
-            f"{r['call_s'] * 1e3:.1f}",
-            f"{r['call_s'] / r['median_s']:.3f}",
-        ]
-        for r in rows
-        if r["status"] == "ok" and "call_s" in r
-    ]
+    """Each method through ``ddpcomm.all_reduce`` against its hook, the two taking turns
+    alone (results from before that pair: the hook's time in the rotation)."""
+    body = []
+    for r in rows:
+        if r["status"] == "ok" and "call_s" in r:
+            hook = r.get("call_hook_s", r["median_s"])
+            body.append(
+                [
+                    r["method"],
+                    str(r["world"]),
+                    f"{r['size_mib']:g}",
+                    f"{hook * 1e3:.1f}",
+                    f"{r['call_s'] * 1e3:.1f}",
+                    f"{r['call_s'] / hook:.3f}",
+                ]
+            )
     if not body:
         return []
     headers = ["method", "ranks", "MiB", "hook ms", "ddpcomm.all_reduce ms", "ratio"]
-    note = "ddpcomm.all_reduce against the hook, same bytes, timed in turn (no error feedback):"
+    note = "ddpcomm.all_reduce against the hook, same bytes, taking turns (no error feedback):"
     return ["", note, "", table(headers, body, markdown)]
 
 
