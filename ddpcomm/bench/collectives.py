@@ -177,7 +177,8 @@ def run(args) -> int:
 
         def timeout(case) -> float:
             # 10x a plain all_reduce's wire time per call (100 MB/s on loopback), + slack;
-            # each call is followed by its wire-only collectives.
+            # each call is followed by its wire-only collectives, and then the hook and
+            # ddpcomm.all_reduce take turns 3 x iters times (their warm-up calls too).
             calls = 2 * (4 * case["iters"] + 2 * case["warmup"] + 3)
             if ",adaptive" in case["row"]["method"]:  # + plain and the fixed method
                 calls = 2 * calls + adaptive.first_decision()
@@ -380,7 +381,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
     # ddpcomm.all_reduce and the hook take turns alone, last, three times as many calls: in
     # the rotation above, the entries around them moved their ratio by 2-4% (60 calls each,
     # q8 and q4, 64 MiB, 1 Gbit/s), and 5 calls made it vary by up to 15% between runs.
-    call = _call(method, runs[0][1], grad, case["warmup"]) if stats else []
+    call = _call(method, runs[0][1], grad, case["warmup"]) if stats else []  # ddpcomm's
     if call:
         calls = 3 * case["iters"]
         pair, _, _ = _take_turns([entries[0], *call], calls, None, device)
