@@ -141,6 +141,9 @@ def test_collectives_quick(cwd, tmp_path):
     assert all(r["wire_s"] > 0 for r in rows.values())
     assert rows["allreduce"]["codec_s"] == 0 and rows["q8"]["codec_s"] > 0
     assert "wire-only ms" in proc.stdout and "overlap" in proc.stdout
+    # The CPU its process used per call, against the machine's cores.
+    assert all(r["cpu_s"] > 0 and r["local_ranks"] == r["world"] for r in rows.values())
+    assert "cores busy" in proc.stdout
     # ddpcomm.all_reduce of q8 against its hook, the two taking turns (3x the calls).
     assert rows["q8"]["call_s"] > 0 and rows["q8"]["call_hook_s"] > 0
     assert "ddpcomm.all_reduce against the hook" in proc.stdout

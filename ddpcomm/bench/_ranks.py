@@ -51,6 +51,12 @@ def world_size(default: int) -> int:
     return int(os.environ["WORLD_SIZE"]) if under_torchrun() else default
 
 
+def local_world(world: int) -> int:
+    """Ranks on this machine: torchrun's LOCAL_WORLD_SIZE under torchrun, else ``world``
+    (every rank spawned here)."""
+    return int(os.environ["LOCAL_WORLD_SIZE"]) if under_torchrun() else world
+
+
 def add_node_arguments(p) -> None:
     """``--nodes`` and ``--ranks-per-node``: the ranks as nodes (see ``nodes_world``)."""
     p.add_argument(

@@ -14,6 +14,7 @@ import argparse
 import functools
 import math
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,11 @@ Beside each method's time: the wire-only time of its bytes (the collectives its
 algorithm issued, all_reduce or all_gather, on as many plain bytes), its codec time
 alone (its hook on torch's fake process group: every compress and decode op, collectives
 that only copy), and overlap = time / max(wire-only, codec): 1.00 at the limit, 1 +
-smaller/larger when nothing overlaps. The three take turns call by call. Last,
+smaller/larger when nothing overlaps. The three take turns call by call. cpu ms: the
+CPU time one call took in the busiest rank's process, all its threads together (the
+codec, gloo's copies and sums, its share of the network stack); cores busy = ranks on
+this machine x cpu ms / (its cores x ms): near 1, the cores, not the wire or the
+overlap, set the time (ranks sharing a small machine). Last,
 ddpcomm.all_reduce of the method (the same bytes outside DDP) and its hook take turns
 alone, call by call, for the table that compares them.
 
@@ -331,17 +336,20 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
     entries += probes
     ifname, per_node = common.get("ifname"), common.get("per_node", 1)
     st0 = stats and stats()
-    times, wire, out = _take_turns(entries, case["iters"], ifname, device)
+    times, wire, out, cpu = _take_turns(entries, case["iters"], ifname, device)
     # The slowest rank's time per call is the collective's time.
     split = getattr(entries[len(runs)][3], "steps", None)  # a two-level wire-only's steps
     every = [None] * world
-    dist.all_gather_object(every, (times, wire, split))
+    dist.all_gather_object(every, (times, wire, split, statistics.median(cpu)))
     medians = {}
     for j, (name, *_) in enumerate(entries):
         per_call = [max(ts[j][i] for ts, *_ in every) for i in range(case["iters"])]
         medians[name] = statistics.median(per_call)
         if j == 0:
             result.update(median_s=medians[name], times_s=per_call)
+    # The busiest rank's CPU time per call: every thread of its process (the codec, gloo's
+    # copies and sums, its share of the network stack), against the cores its machine has.
+    result.update(cpu_s=max(e[3] for e in every), local_ranks=_ranks.local_world(world))
     if len(runs) > 1:
         result.update(plain_s=medians["allreduce"], fixed_s=medians[methods[2]])
     result.update({f"{k}_s": medians[k] for k in ("wire", "codec") if k in medians})
@@ -384,7 +392,7 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
     call = _call(method, runs[0][1], grad, case["warmup"]) if stats else []  # ddpcomm's
     if call:
         calls = 3 * case["iters"]
-        pair, _, _ = _take_turns([entries[0], *call], calls, None, device)
+        pair = _take_turns([entries[0], *call], calls, None, device)[0]
         dist.all_gather_object(every, pair)
         for key, j in (("call_hook_s", 0), ("call_s", 1)):
             result[key] = statistics.median(max(ts[j][i] for ts in every) for i in range(calls))
@@ -395,8 +403,9 @@ def run_case(case: dict, common: dict, device: torch.device) -> dict:
 def _take_turns(entries: list[tuple], iters: int, ifname: str | None, device):
     """Calls the entries in turn, each first in turn, ``iters`` times each: (seconds per
     entry and call, the bytes the first one sent through ``ifname`` and the namespace's
-    loopback, its last output)."""
-    times, wire, out = [[] for _ in entries], [0, 0], None
+    loopback, its last output, the CPU seconds this process used in each of the first
+    one's calls)."""
+    times, wire, out, cpu = [[] for _ in entries], [0, 0], None, []
     for i in range(iters):
         for j in range(len(entries)):
             j = (i + j) % len(entries)
@@ -407,15 +416,17 @@ def _take_turns(entries: list[tuple], iters: int, ifname: str | None, device):
                 dist.barrier()  # every rank's sends of the entry before have left
                 start = _counters(ifname)
             dist.barrier()
+            used = time.process_time()
             value, seconds = wall(call, device)
             times[j].append(seconds)
             if j == 0:
+                cpu.append(time.process_time() - used)
                 out = value[0] if isinstance(value, (list, tuple)) else value
                 if ifname:
                     dist.barrier()  # every rank's sends of this call have left
                     now = _counters(ifname)
                     wire = [w + b - a for w, a, b in zip(wire, start, now, strict=True)]
-    return times, wire, out
+    return times, wire, out, cpu
 
 
 def _per_call(now: dict, then: dict, calls: int) -> dict:
@@ -603,6 +614,8 @@ def report(result: dict, markdown: bool = False) -> str:
         "wire-only ms",
         "codec ms",
         "overlap",
+        "cpu ms",
+        "cores busy",
         "MB sent/rank",
         "MB across/node" if nodes else "MB on wire/rank",
         "MB in node",
@@ -621,6 +634,7 @@ def report(result: dict, markdown: bool = False) -> str:
             wire = _mean(r.get("node_wire_bytes"))
             limit = wire and base and _mean(base.get("node_wire_bytes")) / wire
         limit_s = "codec_s" in r and max(r.get("wire_s", 0), r["codec_s"])
+        busy = "cpu_s" in r and r["local_ranks"] * r["cpu_s"] / (env["host_cpus"] * r["median_s"])
         status = "ok" if r.get("ranks_identical", True) else "ok, but ranks differ"
         body.append(
             [
@@ -631,6 +645,8 @@ def report(result: dict, markdown: bool = False) -> str:
                 f"{r['wire_s'] * 1e3:.1f}" if "wire_s" in r else "-",
                 f"{r['codec_s'] * 1e3:.1f}" if "codec_s" in r else "-",
                 f"{r['median_s'] / limit_s:.2f}" if ok and limit_s else "-",
+                f"{r['cpu_s'] * 1e3:.1f}" if ok and "cpu_s" in r else "-",
+                f"{busy:.2f}" if ok and busy else "-",
                 _mb(sent),
                 _mb(wire) if wire is not None else "-",
                 _mb(_mean(r["node_lo_bytes"])) if "node_lo_bytes" in r else "-",
