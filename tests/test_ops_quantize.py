@@ -499,6 +499,26 @@ def test_code_thresholds_match_reference(device):
     assert deq.cpu()[16:].tolist() == [0.0, 0.0, 2.0, -2.0, 0.0, 0.0, 0.0, 0.0] * 2
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rounding_ties_and_extremes_match_reference(device, bits):
+    # 4- and 8-bit codes round v = x * L / m half to even, with no clamp left to hide a
+    # wrong rounding: blocks of max |x| = L (so v = x) holding every half-way value
+    # +-(j + 1/2) up to L - 1/2, their float neighbours, +-L itself and signed zeros.
+    L = 2 ** (bits - 1) - 1
+    halves = torch.arange(L, dtype=torch.float32) + 0.5
+    near = torch.cat(
+        [halves, torch.nextafter(halves, halves + 1), torch.nextafter(halves, halves - 1)]
+    )
+    x = torch.cat([near, -near, torch.tensor([float(L), -float(L), 0.0, -0.0])])
+    x = torch.cat([x, torch.zeros(-len(x) % 32)])
+    for block in (32, 256):
+        y = torch.cat([x, torch.zeros(-len(x) % block)])
+        for start in range(0, len(y), block):  # every block peaks at L
+            y[start] = float(L)
+        packed = ops.quantize(y.to(device), None, bits, block)
+        assert torch.equal(packed.cpu(), ref.quantize(y, None, bits, block)), block
+
+
 def test_ternary_thresholds_at_every_magnitude(device):
     # Where x * inv rounds to just above or just below +-0.5 (inv = 1 / m, m of any mantissa):
     # blocks of 32 whose m is their absmax A (16 values of +-A; the mean of the rest keeps

@@ -528,6 +528,45 @@ void mask_codes(const float* __restrict e, int64_t B, float inv, uint8_t* __rest
   }
 }
 
+#if DDPCOMM_HAVE_AVX2
+// The packed codes of deterministic 4- and 8-bit blocks (finite m = max |x| > 0, pre = 1):
+// round_even(v) + L, v = x * inv, in 32-element groups. |x| <= m gives |v| <= L (1 + 2^-23)
+// < L + 1/2 (inv = L / m rounded, then the product rounded), so round_even(v) is already
+// in [-L, L]: no clamp, and the signed saturating packs to bytes never saturate. vroundps
+// rounds half to even as numerics.h round_even does for |v| < 2^22. The packs leave byte t
+// of 128-bit half h holding element 8 (t / 4) + 4 h + t % 4 (as in mask_codes): one vpermd
+// puts 8-bit codes in element order; 4-bit codes pair up adjacent bytes (elements 2i, 2i + 1)
+// in a multiply-add, and their words interleave the halves into element order. Against
+// the byte codes, clamps and pack pass (1 MiB from L2, one thread, builds taking turns):
+// quantize q8 55-76 -> 38-48 us, q4 62 -> 42-52, with error feedback q8 119-162 -> 101-128.
+template <int kBits>
+void round_codes(const float* __restrict e, int64_t B, float inv, uint8_t* __restrict out) {
+  constexpr int L = max_level(kBits);
+  const __m256 scale = _mm256_set1_ps(inv);
+  for (int64_t j = 0; j < B; j += kGroup) {
+    __m256i k[kSub];
+    for (int s = 0; s < kSub; ++s) {
+      const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(e + j + kLanes * s), scale);
+      k[s] = _mm256_cvttps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    const __m256i codes = _mm256_add_epi8(
+        _mm256_packs_epi16(_mm256_packs_epi32(k[0], k[1]), _mm256_packs_epi32(k[2], k[3])),
+        _mm256_set1_epi8((char)L));
+    if constexpr (kBits == 8) {
+      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
+                          _mm256_permutevar8x32_epi32(codes, order));
+    } else {
+      const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_set1_epi16(0x1001));
+      const __m256i bytes = _mm256_packus_epi16(pairs, pairs);
+      const __m128i w =
+          _mm_unpacklo_epi16(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j / 2), w);
+    }
+  }
+}
+#endif
+
 // Writes the record of one block `e` (B values, zero past the valid ones) of magnitude m.
 // 8-bit codes go straight into the record, narrower ones through `codes` (B bytes).
 template <int kBits, bool kStochastic>
@@ -543,6 +582,16 @@ void write_record(const float* e, int64_t B, float m, uint64_t key, int64_t inde
       }
     }
   }
+#if DDPCOMM_HAVE_AVX2
+  if constexpr ((kBits == 4 || kBits == 8) && !kStochastic) {
+    if (!block_is_degenerate(m)) {
+      if (const BlockInv inv = block_inv(m, kBits); inv.pre == 1.0f) {
+        round_codes<kBits>(e, B, inv.inv, out);
+        return;
+      }
+    }
+  }
+#endif
   block_codes<kBits, kStochastic>(e, B, m, key, index0, kBits == 8 ? out : codes);
   if (kBits != 8) pack_codes<kBits>(codes, B, out);
 }
