@@ -12,9 +12,12 @@ hang becomes a timeout error instead of a stuck test run.
 """
 
 import datetime
+import faulthandler
 import os
 import queue
+import signal
 import tempfile
+import time
 import traceback
 
 import torch
@@ -48,6 +51,9 @@ def run_checks(rank: int, world: int, checks) -> dict:
 
 
 def _entry(fn, rank, world, store, pg_timeout, results, args):
+    # A rank the parent gives up on prints every thread's stack first (to the test's
+    # captured stderr), so a hang says where it was.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         torch.set_num_threads(1)
         dist.init_process_group(
@@ -87,6 +93,7 @@ def _spawn(fn, world, args, timeout, pg_timeout, allow_exit) -> list:
                     timeout -= 1.0
                     if timeout <= 0:
                         error = f"ranks timed out; results from {sorted(out)} only"
+                        _dump_stacks(procs, out)
                         break
                     if allow_exit:
                         for r, p in enumerate(procs):
@@ -106,3 +113,12 @@ def _spawn(fn, world, args, timeout, pg_timeout, allow_exit) -> list:
     if error:
         raise RuntimeError(error)
     return [out[r] for r in range(world)]
+
+
+def _dump_stacks(procs, reported) -> None:
+    """Asks every rank that has not reported to print its threads' stacks (SIGUSR1,
+    registered in ``_entry``), and gives them a moment to write before they are killed."""
+    for r, p in enumerate(procs):
+        if r not in reported and p.is_alive():
+            os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(2.0)
