@@ -574,24 +574,23 @@ void write_record(const float* e, int64_t B, float m, uint64_t key, int64_t inde
                   uint8_t* codes) {
   std::memcpy(record, &m, sizeof(float));
   uint8_t* out = record + kScaleBytes;
-  if constexpr (kBits <= 2 && !kStochastic) {
+  // Deterministic blocks of ordinary magnitude pack their codes as they form them: 1 and 2
+  // bits from comparisons, 4 and 8 bits (x86-64-v3) from rounding in registers.
+  constexpr bool kDirect = !kStochastic && (kBits <= 2 || (DDPCOMM_HAVE_AVX2 && kBits >= 4));
+  if constexpr (kDirect) {
     if (!block_is_degenerate(m)) {
       if (const BlockInv inv = block_inv(m, kBits); inv.pre == 1.0f) {
-        mask_codes<kBits>(e, B, inv.inv, out);
-        return;
-      }
-    }
-  }
+        if constexpr (kBits <= 2) {
+          mask_codes<kBits>(e, B, inv.inv, out);
+        } else {
 #if DDPCOMM_HAVE_AVX2
-  if constexpr ((kBits == 4 || kBits == 8) && !kStochastic) {
-    if (!block_is_degenerate(m)) {
-      if (const BlockInv inv = block_inv(m, kBits); inv.pre == 1.0f) {
-        round_codes<kBits>(e, B, inv.inv, out);
+          round_codes<kBits>(e, B, inv.inv, out);
+#endif
+        }
         return;
       }
     }
   }
-#endif
   block_codes<kBits, kStochastic>(e, B, m, key, index0, kBits == 8 ? out : codes);
   if (kBits != 8) pack_codes<kBits>(codes, B, out);
 }
